@@ -1,0 +1,1 @@
+"""Arbor: RL post-training for agentic LLMs."""

@@ -1,0 +1,176 @@
+"""Softmax attention and the metadata objects that say which keys each query sees.
+
+The model never builds masks itself: every forward receives one metadata object whose
+``attend(layer_idx, q, k, v, scale)`` maps ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` (the packed
+tokens of this call) to ``[T, Hq, D]``. The kinds here:
+
+- ``VarlenAttention(cu_seqlens)``: packed sequences, causal inside each, nothing across.
+- ``TreeAttention(parents)``: a token sees itself and its ancestors (parents[i] < i, −1 = root);
+  its position is its depth. A root-to-leaf path computes exactly what the path alone computes.
+- ``BlockDiffusionAttention(cu_seqlens, block_size)``: a token in block b = position // block_size
+  sees every token of its sequence in blocks ≤ b (bidirectional inside a block, causal across).
+
+The engine adds a paged-KV kind behind the same method. ``cu_seqlens`` (sequence boundaries in
+token order) is what linear-attention layers read; a kind without it cannot run them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arbor.models.layers import RMSNorm, apply_rope
+
+
+def _sdpa(q, k, v, scale, mask=None, causal=False):
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.int64, device=device)
+    return F.pad(lengths.cumsum(0), (1, 0))
+
+
+@dataclass
+class VarlenAttention:
+    cu_seqlens: torch.Tensor
+    lengths: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.lengths = self.cu_seqlens.diff().tolist()
+        if min(self.lengths, default=1) <= 0:
+            raise ValueError(f"cu_seqlens must be strictly increasing, got {self.cu_seqlens.tolist()}")
+
+    @classmethod
+    def from_lengths(cls, lengths, device=None) -> "VarlenAttention":
+        return cls(cu_seqlens_from_lengths(lengths, device))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    def positions(self) -> torch.Tensor:
+        """0, 1, … inside each sequence."""
+        return torch.cat([torch.arange(n, device=self.cu_seqlens.device) for n in self.lengths])
+
+    def attend(self, layer_idx, q, k, v, scale):
+        n = len(self.lengths)
+        if all(length == self.lengths[0] for length in self.lengths):
+            shape = lambda x: x.reshape(n, self.lengths[0], *x.shape[1:])
+            return _sdpa(shape(q), shape(k), shape(v), scale, causal=True).reshape(q.shape)
+        starts = self.cu_seqlens[:-1].tolist()
+        return torch.cat([_sdpa(q[None, s:s + m], k[None, s:s + m], v[None, s:s + m], scale, causal=True)[0]
+                          for s, m in zip(starts, self.lengths)])
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [T] (−1 = root, parents[i] < i) → bool [T, T], True where j is i or an ancestor of i."""
+    t = parents.shape[0]
+    if t and bool((parents >= torch.arange(t, device=parents.device)).any()):
+        raise ValueError("tree parents must point to earlier tokens (parents[i] < i) or be -1")
+    rows = torch.arange(t, device=parents.device)
+    mask = torch.zeros(t, t, dtype=torch.bool, device=parents.device)
+    node = rows.clone()
+    alive = torch.ones(t, dtype=torch.bool, device=parents.device)
+    while bool(alive.any()):
+        mask[rows[alive], node[alive]] = True
+        node = torch.where(alive, parents[node.clamp(min=0)], node)
+        alive = alive & (node >= 0)
+    return mask
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each token (root = 0): the position id a token has on its root-to-leaf path."""
+    return ancestor_mask(parents).sum(-1) - 1
+
+
+@dataclass
+class TreeAttention:
+    parents: torch.Tensor
+    mask: torch.Tensor = field(init=False)
+    cu_seqlens = None
+
+    def __post_init__(self):
+        self.mask = ancestor_mask(self.parents)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.parents.shape[0]
+
+    def positions(self) -> torch.Tensor:
+        return self.mask.sum(-1) - 1
+
+    def attend(self, layer_idx, q, k, v, scale):
+        return _sdpa(q[None], k[None], v[None], scale, mask=self.mask)[0]
+
+
+@dataclass
+class BlockDiffusionAttention:
+    cu_seqlens: torch.Tensor
+    block_size: int
+    lengths: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.lengths = self.cu_seqlens.diff().tolist()
+
+    @classmethod
+    def from_lengths(cls, lengths, block_size, device=None) -> "BlockDiffusionAttention":
+        return cls(cu_seqlens_from_lengths(lengths, device), block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    def positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(n, device=self.cu_seqlens.device) for n in self.lengths])
+
+    def block_mask(self, length: int) -> torch.Tensor:
+        """bool [L, L]: query i sees key j iff block(j) ≤ block(i)."""
+        block = torch.arange(length, device=self.cu_seqlens.device) // self.block_size
+        return block[None, :] <= block[:, None]
+
+    def attend(self, layer_idx, q, k, v, scale):
+        starts = self.cu_seqlens[:-1].tolist()
+        return torch.cat([_sdpa(q[None, s:s + m], k[None, s:s + m], v[None, s:s + m], scale,
+                                mask=self.block_mask(m))[0] for s, m in zip(starts, self.lengths)])
+
+
+class SoftmaxAttention(nn.Module):
+    """Qwen3 attention: q/k RMSNorm per head, RoPE, GQA. ``gated`` (Qwen3-Next): q_proj also
+    yields a per-channel gate and the output is ``o_proj(attn · sigmoid(gate))``."""
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gated = cfg.is_next
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.scale = self.head_dim ** -0.5
+        q_out = self.num_heads * self.head_dim * (2 if self.gated else 1)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+
+    def forward(self, x, cos, sin, attn):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, -1)
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        out = attn.attend(self.layer_idx, q, k, v, self.scale).reshape(t, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)

@@ -1,0 +1,133 @@
+"""One causal LM assembled from per-layer token mixers and MLPs.
+
+Layer i: ``h = x + mixer_i(norm(x))``, ``x' = h + mlp_i(norm(h))`` with mixer_i = softmax
+attention (``full_attention``) or Gated DeltaNet (``linear_attention``) and mlp_i = SwiGLU or MoE
+(``cfg.is_moe_layer(i)``). Module names equal HF's (``model.layers.3.self_attn.q_proj``, …) so
+checkpoints map one to one.
+
+All inputs are packed: ``input_ids [T]`` holds the tokens of every sequence of the call, and
+``attn`` (see ``arbor.models.attention``) says who sees whom. Linear-attention layers take and
+return one recurrent state per sequence; MoE layers can return and replay routed expert ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from arbor.models.attention import SoftmaxAttention
+from arbor.models.config import ModelConfig
+from arbor.models.gated_deltanet import GatedDeltaNet, LinearState
+from arbor.models.layers import MLP, RMSNorm, Rotary
+from arbor.models.moe import MoE
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor                          # [T, D] after the final norm
+    states: list[LinearState | None] | None       # per layer; None for softmax layers
+    routed_experts: torch.Tensor | None           # [num_moe_layers, T, k] when asked
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.is_linear = cfg.layer_types[i] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.rms_norm_eps)
+        else:
+            self.self_attn = SoftmaxAttention(cfg, i)
+        self.is_moe = cfg.is_moe_layer(i)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+
+    def forward(self, x, cos, sin, attn, state=None, ids=None):
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            if attn.cu_seqlens is None:
+                raise ValueError(f"{type(attn).__name__} gives no sequence boundaries, which "
+                                 "linear-attention layers need; use VarlenAttention")
+            h, state = self.linear_attn(h, attn.cu_seqlens, state)
+        else:
+            h = self.self_attn(h, cos, sin, attn)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            h, ids = self.mlp(h, ids)
+        else:
+            h = self.mlp(h)
+        return x + h, state, ids
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.gradient_checkpointing = False
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module):
+        if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.device.type != "meta":
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, input_ids, attn, positions=None, states=None, routed_experts=None,
+                return_routing=False) -> ModelOutput:
+        """input_ids [T]; positions [T] (default: ``attn.positions()``); states: per-layer
+        LinearState (None = start of sequence); routed_experts [num_moe_layers, T, k] to replay."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be packed 1-D [T], got shape {tuple(input_ids.shape)}")
+        if positions is None:
+            positions = attn.positions()
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        layers = self.model.layers
+        new_states = [None] * len(layers)
+        routed, m = [], 0
+        for i, layer in enumerate(layers):
+            state = states[i] if states is not None else None
+            ids = routed_experts[m] if (routed_experts is not None and layer.is_moe) else None
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x, new_states[i], ids = checkpoint(layer, x, cos, sin, attn, state, ids, use_reentrant=False)
+            else:
+                x, new_states[i], ids = layer(x, cos, sin, attn, state, ids)
+            if layer.is_moe:
+                routed.append(ids)
+                m += 1
+        has_linear = any(layer.is_linear for layer in layers)
+        return ModelOutput(
+            hidden=self.model.norm(x),
+            states=new_states if has_linear else None,
+            routed_experts=torch.stack(routed) if (return_routing and routed) else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,67 @@
+"""Shared building blocks: RMSNorm, rotary position embedding, SwiGLU MLP.
+
+- RMSNorm: ``y = x / sqrt(mean(x²) + eps) · w`` computed in float32. Qwen3 casts the normalised
+  value back to the input dtype before the product; Qwen3-Next (``zero_centred``) stores ``w`` as
+  an offset and computes ``(x̂ · (1 + w))`` in float32 before the cast.
+- RoPE (rotate-half form) on the first ``rotary_dim`` channels of each head:
+  ``x' = x · cos(pθ) + rotate_half(x) · sin(pθ)``, ``θ_i = base^(-2i / rotary_dim)``.
+- SwiGLU: ``down(silu(gate(x)) · up(x))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centred: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centred = zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables for given positions; holds no parameters (nothing to load or save)."""
+
+    def __init__(self, rotary_dim: int, base: float):
+        self.rotary_dim = rotary_dim
+        self.base = base
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] → (cos, sin), each [T, rotary_dim]."""
+        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=positions.device)
+        inv_freq = 1.0 / (self.base ** (exponent.float() / self.rotary_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, R] with R ≤ D: rotate the first R channels, pass the rest."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

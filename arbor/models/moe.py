@@ -1,0 +1,98 @@
+"""Mixture-of-Experts MLP: softmax top-k router, grouped expert compute, optional shared expert.
+
+Router (Qwen3-MoE / Qwen3-Next): ``p = softmax(x Wᵣᵀ)`` in float32, ``ids = topk(p, k)``,
+``w = p[ids]``, renormalised to sum 1 when ``norm_topk_prob``. No token is dropped.
+Output: ``y = Σ_j w_j · E_{ids_j}(x)`` (+ ``sigmoid(x w_sᵀ) · S(x)`` with a shared expert S).
+
+Routing replay: given ``ids`` the router still computes ``p`` (so gradients reach it) but uses
+those ids, so the same ids and inputs give bit-identical outputs.
+
+Experts are stored fused, ``gate_up_proj [E, 2I, D]`` and ``down_proj [E, D, I]``; the
+checkpoint layer maps them to HF's per-expert tensors. ``dispatch_experts`` is the one place
+that moves tokens to experts; expert-parallel execution replaces it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arbor.models.layers import MLP
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+
+def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """x [T, D], ids/weights [T, k] → Σ_j weights[:, j] · expert_{ids[:, j]}(x), [T, D].
+
+    Token copies are sorted by expert so each expert runs one matmul on a contiguous slice;
+    the loop is over experts, never over tokens."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    pieces = []
+    for e, xe in enumerate(x[token].split(counts)):
+        if xe.shape[0]:
+            pieces.append(experts.expert_forward(e, xe))
+    y = torch.cat(pieces) * weights.reshape(-1)[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.dispatch = dispatch_experts
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor | None = None):
+        """→ (ids [T, k] int64, weights [T, k] in x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        if ids is None:
+            weights, ids = probs.topk(self.top_k, dim=-1)
+        else:
+            if ids.shape != (x.shape[0], self.top_k):
+                raise ValueError(f"replayed expert ids have shape {tuple(ids.shape)}, "
+                                 f"expected {(x.shape[0], self.top_k)}")
+            weights = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):
+        """x [T, D] → (y [T, D], routed ids [T, k])."""
+        ids, weights = self.route(x, ids)
+        y = self.dispatch(x, ids, weights, self.experts)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y, ids
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int, multiplicity: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens routed to each expert. ids [..., T, k]; multiplicity [T] weights each token (a
+    shared tree prefix counts once per trajectory through it). → [..., E]."""
+    one_hot = F.one_hot(ids, num_experts).sum(-2).to(torch.float64 if multiplicity is not None else torch.int64)
+    if multiplicity is not None:
+        one_hot = one_hot * multiplicity.to(torch.float64)[:, None]
+    return one_hot.sum(-2)
