@@ -1,4 +1,4 @@
-"""``arbor bench model``: forward + backward of one packed batch, Arbor vs transformers.
+"""Forward + backward of one packed batch, Arbor vs transformers (``arbor bench model``).
 
 Same weights in both (transformers' tensors loaded into Arbor by name), float32, a batch of
 ``batch × seq_len`` tokens with next-token cross-entropy; medians over interleaved repeats.
@@ -77,3 +77,13 @@ def run(out_dir="bench_results", batch=4, seq_len=512, repeats=5, device="cpu", 
 
     write_result(out_dir, "model", result, plot)
     return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+
+
+def main(args) -> None:
+    run(out_dir=args.out, batch=args.batch, seq_len=args.seq_len, repeats=args.repeats, device=args.device)

@@ -1,6 +1,6 @@
 """Gated DeltaNet, the linear-attention layer of Qwen3-Next, in pure PyTorch.
 
-Computes exactly what transformers' ``Qwen3NextGatedDeltaNet`` computes, on packed
+Computes the same function as transformers' ``Qwen3NextGatedDeltaNet`` (to float rounding), on packed
 variable-length sequences with explicit per-sequence state.
 
 The gated delta rule, per value head, with state S_t ∈ R^{dk×dv} (S_0 = initial state):
@@ -32,8 +32,9 @@ from torch import nn
 class LinearState:
     """Per-sequence state of one Gated DeltaNet layer after some prefix of tokens.
 
-    conv:      [N, conv_dim, K-1]  the last K-1 conv inputs of each sequence (zeros before the start)
-    recurrent: [N, num_v_heads, head_k_dim, head_v_dim]  S_t, float32
+    conv:      [N, conv_dim, K-1]  the last K-1 conv inputs of each sequence (zeros before the
+               start), in the activation dtype; channels ordered [q heads, k heads, v heads]
+    recurrent: [N, num_v_heads, head_k_dim, head_v_dim]  S_t, float32 (float64 for float64 models)
     """
 
     conv: torch.Tensor
@@ -245,6 +246,7 @@ class GatedDeltaNet(nn.Module):
         L = self._check(x, cu_seqlens, state)
         T, N = x.shape[0], cu_seqlens.numel() - 1
         decode = T == N
+        cu_seqlens = cu_seqlens.to(x.device)
         lengths = cu_seqlens.diff()
         seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)
         pos = torch.arange(T, device=x.device) - cu_seqlens[seq]
