@@ -1,0 +1,171 @@
+"""Tokenizer wrapper: a `tokenizers.Tokenizer` plus eos/pad tokens and a Jinja2 chat template.
+
+Invariants:
+- `encode(text)` never adds special tokens; special-token strings inside `text` map to their
+  single ids (they are never split), so `encode(apply_chat_template(m, tokenize=False))
+  == apply_chat_template(m)`.
+- The chat template is rendered exactly as HF transformers renders it (sandboxed Jinja2,
+  `trim_blocks`, `lstrip_blocks`), so a folder written by `save` gives identical ids and
+  strings in `transformers.AutoTokenizer.from_pretrained(folder)`.
+- `builtin_tokenizer()` is a pure function of this file: the same tokenizer.json every build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>", "<|mask|>",
+]
+# Tool tags are added tokens that are never split but, as in Qwen's tokenizers, are not
+# "special": decode(..., skip_special_tokens=True) keeps them so tool calls stay parseable.
+NON_SPECIAL_TAGS = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+DEFAULT_MODEL_MAX_LENGTH = 32768
+
+
+def _token_str(value) -> str | None:
+    """tokenizer_config.json stores tokens either as strings or as {"content": ...} dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message):
+    raise ValueError(message)
+
+
+class Tokenizer:
+    """Thin wrapper over `tokenizers.Tokenizer`; see module docstring for invariants."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str = "<|im_end|>",
+                 pad_token: str = "<|endoftext|>", chat_template: str = CHATML_TEMPLATE,
+                 model_max_length: int = DEFAULT_MODEL_MAX_LENGTH):
+        self.tok = tok
+        self.eos_token = eos_token
+        self.pad_token = pad_token
+        self.chat_template = chat_template
+        self.model_max_length = model_max_length
+        self.eos_token_id = self.token_id(eos_token)
+        self.pad_token_id = self.token_id(pad_token)
+        self.mask_token_id = tok.token_to_id("<|mask|>")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        self._template = env.from_string(chat_template)
+
+    # ---------------------------------------------------------------- load / save
+    @classmethod
+    def load(cls, path) -> "Tokenizer":
+        """Load a folder holding tokenizer.json (+ optional tokenizer_config.json and
+        chat_template.jinja), or a tokenizer.json file path."""
+        path = Path(path)
+        folder, tok_file = (path.parent, path) if path.is_file() else (path, path / "tokenizer.json")
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {tok_file}")
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        kwargs = {}
+        cfg_file = folder / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            for key in ("eos_token", "pad_token"):
+                if _token_str(cfg.get(key)):
+                    kwargs[key] = _token_str(cfg[key])
+            if isinstance(cfg.get("chat_template"), str):
+                kwargs["chat_template"] = cfg["chat_template"]
+            if isinstance(cfg.get("model_max_length"), int):
+                kwargs["model_max_length"] = cfg["model_max_length"]
+        jinja_file = folder / "chat_template.jinja"
+        if "chat_template" not in kwargs and jinja_file.is_file():
+            kwargs["chat_template"] = jinja_file.read_text()
+        if "pad_token" not in kwargs and "eos_token" in kwargs and tok.token_to_id("<|endoftext|>") is None:
+            kwargs["pad_token"] = kwargs["eos_token"]
+        return cls(tok, **kwargs)
+
+    def save(self, folder) -> None:
+        """Write tokenizer.json and an HF-compatible tokenizer_config.json into `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(folder / "tokenizer.json"))
+        added = self.tok.get_added_tokens_decoder()
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+            "model_max_length": self.model_max_length,
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": {
+                str(i): {"content": t.content, "lstrip": t.lstrip, "rstrip": t.rstrip,
+                         "normalized": t.normalized, "single_word": t.single_word, "special": t.special}
+                for i, t in sorted(added.items())
+            },
+            "additional_special_tokens": [t.content for _, t in sorted(added.items())
+                                          if t.special and t.content not in (self.eos_token, self.pad_token)],
+        }
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+    # ---------------------------------------------------------------- ids
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (ids are 0..vocab_size-1)."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int:
+        tid = self.tok.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"token {token!r} is not in the vocabulary")
+        return tid
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    # ---------------------------------------------------------------- chat
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True) -> list[int] | str:
+        """Render `messages` ([{"role", "content"}]) with the Jinja2 chat template; with
+        `tokenize`, return `encode(rendered)`."""
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     eos_token=self.eos_token, pad_token=self.pad_token,
+                                     bos_token="")
+        return self.encode(text) if tokenize else text
+
+
+def builtin_tokenizer() -> Tokenizer:
+    """Character-level tokenizer for Arbor's built-in tasks.
+
+    Id layout (vocab_size 104):
+      0..94   the printable ASCII characters chr(32)..chr(126), id = ord(c) - 32
+      95      "\\n"
+      96..103 SPECIAL_TOKENS in list order (<|endoftext|>=96, <|im_start|>=97, <|im_end|>=98,
+              <tool_call>=99, </tool_call>=100, <tool_response>=101, </tool_response>=102,
+              <|mask|>=103)
+    Any other character (tab, non-ASCII) encodes to the id of "?" (31).
+    decode(encode(s)) == s for every string of printable ASCII and newlines.
+    """
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(chars + SPECIAL_TOKENS)}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS if t not in NON_SPECIAL_TAGS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in SPECIAL_TOKENS if t in NON_SPECIAL_TAGS])
+    return Tokenizer(tok)

@@ -1,0 +1,1 @@
+"""Rollouts: environments, tools, rollout trees, the async multi-turn collector, C3PO++."""

@@ -1,0 +1,179 @@
+"""Multi-turn rollouts against the async engine, as trees, with token-budget partitioning.
+
+An ``Episode`` is one path being grown: its environment, the ids of its context so far
+(``prefix``), the model turn in progress (``partial``) and the tree node it hangs from.
+``Collector.run_iteration(pool, budget)`` advances every episode of the pool concurrently
+(each model turn is one streamed engine request) until the tokens of finished trajectories
+reach ``budget`` (C3PO++'s Φ; ``None`` = until all finish, the synchronous baseline). Then the
+requests still running are cancelled and their tokens so far kept in ``partial``: the next
+iteration re-submits ``prefix + partial`` (exact; the prefix cache makes it a hit, not a
+re-prefill) under the then-current weights. Every token records the policy version that
+sampled it. Between iterations the pool is plain data, so it can be checkpointed.
+
+Branching: at model turn t an episode forks into ``branch[t]`` children (1 past the list);
+each child samples with its own seed, derived from (seed, group, path), so a run is
+reproducible whatever else the engine is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import zlib
+from dataclasses import dataclass, field
+
+from arbor.rollout.chat import env_turn_ids, prompt_ids
+from arbor.rollout.tree import Node, RolloutTree, Segment
+
+
+@dataclass
+class RolloutConfig:
+    max_turn_tokens: int = 48
+    max_context: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    branch: list[int] = field(default_factory=lambda: [4])
+    seed: int = 0
+
+
+@dataclass
+class Episode:
+    tree: RolloutTree
+    env: object
+    node: Node                     # the node the next model turn hangs from
+    prefix: list[int]
+    turn: int
+    path: tuple[int, ...]
+    born: int                      # iteration the group started
+    partial: Segment | None = None
+    done: bool = False
+
+
+class Collector:
+    def __init__(self, engine, tokenizer, cfg: RolloutConfig, sampling_factory):
+        """sampling_factory(max_tokens, temperature, top_p, seed) → the engine's SamplingParams."""
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.sampling = sampling_factory
+        self.version = 0
+
+    async def start(self, env, group: int, task, iteration: int) -> list[Episode]:
+        messages = await env.reset()
+        ids = prompt_ids(self.tok, messages)
+        tree = RolloutTree(Node(Segment(ids, is_model=False)), group, task)
+        return self._fork(Episode(tree, env, tree.root, ids, 0, (), iteration))
+
+    def _fork(self, ep: Episode) -> list[Episode]:
+        k = self.cfg.branch[ep.turn] if ep.turn < len(self.cfg.branch) else 1
+        if k == 1:
+            return [ep]
+        return [Episode(ep.tree, ep.env.fork(), ep.node, ep.prefix, ep.turn, ep.path + (j,), ep.born)
+                for j in range(k)]
+
+    def _seed(self, ep: Episode) -> int:
+        key = f"{self.cfg.seed}/{ep.tree.group}/{ep.path}/{ep.turn}".encode()
+        return zlib.crc32(key)
+
+    async def _model_turn(self, ep: Episode, stop: asyncio.Event) -> list[Episode]:
+        """Generate (the rest of) one model turn, then step the env; → the episodes that follow
+        (``[ep]`` itself, with ``partial`` kept, when ``stop`` interrupts the generation)."""
+        part = ep.partial or Segment([], True)
+        ep.partial = part
+        room = self.cfg.max_context - len(ep.prefix) - len(part.tokens)
+        max_new = min(self.cfg.max_turn_tokens - len(part.tokens), room)
+        finish = "length"
+        if max_new > 0:
+            base = len(part.tokens)
+            params = self.sampling(max_new, self.cfg.temperature, self.cfg.top_p, self._seed(ep) + base)
+            stream = self.engine.generate(ep.prefix + part.tokens, params)
+            try:
+                async for out in stream:
+                    fresh = out.token_ids[len(part.tokens) - base:]
+                    part.tokens += fresh
+                    part.logprobs += out.logprobs[len(part.logprobs) - base:len(out.token_ids)]
+                    part.versions += [self.version] * len(fresh)
+                    if getattr(out, "routed_experts", None) is not None:
+                        part.routed_experts = out.routed_experts
+                    if out.finish_reason is not None:
+                        finish = out.finish_reason
+                    elif stop.is_set():
+                        return [ep]
+            finally:
+                await stream.aclose()
+        ep.partial = None
+        text = self.tok.decode([t for t in part.tokens if t != self.tok.eos_token_id])
+        node = Node(part, text=text)
+        ep.node.children.append(node)
+        obs, reward, done = await ep.env.step(text)
+        truncated = finish == "length" and part.tokens[-1:] != [self.tok.eos_token_id]
+        env_ids = [] if done else env_turn_ids(self.tok, obs)
+        if done or truncated or len(ep.prefix) + len(part.tokens) + len(env_ids) >= self.cfg.max_context:
+            node.reward = reward if done else float(ep.env.verify(text))
+            ep.done = True
+            return []
+        env_node = Node(Segment(env_ids, is_model=False))
+        node.children.append(env_node)
+        nxt = Episode(ep.tree, ep.env, env_node, ep.prefix + part.tokens + env_ids, ep.turn + 1, ep.path, ep.born)
+        return self._fork(nxt)
+
+    async def run_iteration(self, pool: list[Episode], iteration: int, budget: int | None = None,
+                            new_group=None, capacity: int = 0, max_age: int | None = None):
+        """Advance ``pool`` until finished groups hold ``budget`` model tokens (None: until every
+        group finishes). ``new_group()`` → (env, task) refills the pool to ``capacity`` groups.
+        Groups started more than ``max_age`` iterations ago (C3PO++'s σ) are dropped first.
+        → (finished trees, episodes left for the next iteration, stats)."""
+        dropped = 0
+        if max_age is not None:
+            keep = [ep for ep in pool if iteration - ep.born <= max_age]
+            dropped = len({id(ep.tree) for ep in pool}) - len({id(ep.tree) for ep in keep})
+            pool = keep
+        stop = asyncio.Event()
+        tasks: dict[asyncio.Task, Episode] = {}
+        open_eps: dict[int, int] = {}
+        trees: dict[int, RolloutTree] = {}
+        finished, done_tokens, next_group = [], 0, 0
+
+        def launch(ep: Episode):
+            tasks[asyncio.ensure_future(self._model_turn(ep, stop))] = ep
+
+        def track(ep: Episode):
+            trees[id(ep.tree)] = ep.tree
+            open_eps[id(ep.tree)] = open_eps.get(id(ep.tree), 0) + 1
+
+        async def refill():
+            while new_group is not None and len(open_eps) < capacity and not stop.is_set():
+                env, task, group = new_group()
+                for ep in await self.start(env, group, task, iteration):
+                    track(ep)
+                    launch(ep)
+
+        for ep in pool:
+            track(ep)
+            launch(ep)
+        await refill()
+        left = []
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                ep = tasks.pop(t)
+                follow = t.result()
+                key = id(ep.tree)
+                if stop.is_set() and follow == [ep] and ep.partial is not None:
+                    left.append(ep)
+                    continue
+                open_eps[key] += len(follow) - 1
+                if stop.is_set():
+                    left.extend(follow)
+                else:
+                    for f in follow:
+                        launch(f)
+                if open_eps[key] == 0:
+                    del open_eps[key]
+                    tree = trees.pop(key)
+                    finished.append(tree)
+                    done_tokens += sum(t.num_model_tokens for t in tree.trajectories())
+            if budget is not None and done_tokens >= budget:
+                stop.set()
+            await refill()
+        stats = {"finished_groups": len(finished), "carried_episodes": len(left), "dropped_groups": dropped,
+                 "finished_tokens": done_tokens}
+        return finished, left, stats

@@ -1,0 +1,1 @@
+"""Built-in tasks: data generators, environments, verifiers."""

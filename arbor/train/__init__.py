@@ -1,0 +1,1 @@
+"""Training: advantages, policy losses, tree batches, the trainer loop, checkpoints."""

@@ -1,0 +1,37 @@
+"""Per-token log-probs of packed sequences under the trainer's model.
+
+For a packed call over sequences s (tokens x_0..x_{L-1} each), the result is flat [T] aligned
+with the tokens: entry t holds log π(x_t | x_<t) for t ≥ 1 and 0 at each sequence's first
+token (which has no prediction). Log-softmax runs in float32 in row chunks, so the [T, V]
+float32 logits never exist whole for a large vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arbor.models import VarlenAttention
+
+
+def gather_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """log softmax(logits(hidden_i))[targets_i] for every row i, in float32."""
+    out = []
+    for s in range(0, hidden.shape[0], chunk):
+        logits = model.logits(hidden[s:s + chunk]).float()
+        out.append(logits.log_softmax(-1).gather(1, targets[s:s + chunk, None])[:, 0])
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def packed_logprobs(model, seqs: list[list[int]], device=None, routed_experts=None):
+    """→ (logp [T] float32, cu_seqlens [N+1]) for the sequences packed in order."""
+    device = device or model.device
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
+    attn = VarlenAttention.from_lengths([len(s) for s in seqs], device=device)
+    hidden = model(ids, attn, routed_experts=routed_experts).hidden
+    # predict token t+1 from position t; the first token of each sequence gets 0
+    starts = attn.cu_seqlens[:-1]
+    nxt = torch.roll(ids, -1)
+    logp_next = gather_logprobs(model, hidden, nxt)
+    logp = torch.roll(logp_next, 1)
+    logp[starts] = 0.0
+    return logp, attn.cu_seqlens
