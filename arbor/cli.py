@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-BENCHMARKS = ["model"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm"]
 
 
 def add_bench(sub) -> None:
@@ -26,7 +26,160 @@ def add_bench(sub) -> None:
         b.set_defaults(func=module.main)
 
 
-SUBCOMMANDS = [add_bench]
+def _config_args(p) -> None:
+    p.add_argument("config", nargs="?", help="TOML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
+
+
+def _split_config(args):
+    """argparse puts a leading key=value into ``config``; move it to the overrides."""
+    if args.config and "=" in args.config and not args.config.endswith(".toml"):
+        return None, [args.config, *args.overrides]
+    return args.config, args.overrides
+
+
+def add_sft(sub) -> None:
+    p = sub.add_parser("sft", help="warm-start a model on a task's demonstrations (next-token SFT)")
+    _config_args(p)
+
+    def run(a):
+        from arbor import configs
+        from arbor.train.sft import SFTRunConfig, run_sft
+        path, over = _split_config(a)
+        cfg = configs.load(SFTRunConfig, path, over)
+        run_sft(cfg, on_log=print)
+        print(f"saved {cfg.out}")
+
+    p.set_defaults(func=run)
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="RL on a task: rollout trees, GRPO/PPO with IcePop or TIS, C3PO++")
+    _config_args(p)
+
+    def run(a):
+        from arbor import configs
+        from arbor.train.rl import RLConfig
+        from arbor.train.run import train
+        path, over = _split_config(a)
+        train(configs.load(RLConfig, path, over))
+
+    p.set_defaults(func=run)
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="held-out accuracy of a model folder on a task (greedy rollouts)")
+    p.add_argument("model")
+    p.add_argument("--task", default="arithmetic")
+    p.add_argument("--n", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+
+    def run(a):
+        from arbor.train.run import evaluate_folder
+        acc = evaluate_folder(a.model, a.task, a.n, a.device)
+        print(f"{a.task}: held-out accuracy {acc:.1%} on {a.n} problems")
+
+    p.set_defaults(func=run)
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the main job on the built-in task: SFT a tiny model, then RL")
+    _config_args(p)
+
+    def run(a):
+        from arbor import configs
+        from arbor.train.demo import DemoConfig, demo
+        path, over = _split_config(a)
+        demo(configs.load(DemoConfig, path, over))
+
+    p.set_defaults(func=run)
+
+
+def add_dllm_train(sub) -> None:
+    p = sub.add_parser("dllm-train", help="masked-diffusion SFT of a tiny block-diffusion model on built-in tasks")
+    p.add_argument("--out", required=True, help="HF-layout checkpoint folder to write")
+    _config_args(p)
+
+    def run(a):
+        from arbor import configs
+        from arbor.train.diffusion import DiffusionTrainConfig, train_from_config
+        path, over = _split_config(a)
+        train_from_config(configs.load(DiffusionTrainConfig, path, over), out_dir=a.out)
+        print(f"saved {a.out}")
+
+    p.set_defaults(func=run)
+
+
+def add_dllm_distill(sub) -> None:
+    p = sub.add_parser("dllm-distill", help="TAD trajectory self-distillation → Quality and Speed students")
+    p.add_argument("--model", required=True, help="block-diffusion checkpoint (teacher and initial student)")
+    p.add_argument("--out", required=True, help="folder for the quality/ and speed/ students")
+    p.add_argument("--mode", choices=["quality", "speed", "both"], default="both")
+    p.add_argument("--per-task", type=int, default=400, help="training prompts per task for the teacher")
+    p.add_argument("--device", default="cpu")
+    _config_args(p)
+
+    def run(a):
+        from arbor import configs
+        from arbor.train.distill import TADConfig, distill_folder
+        path, over = _split_config(a)
+        modes = ("quality", "speed") if a.mode == "both" else (a.mode,)
+        for mode, folder in distill_folder(a.model, a.out, configs.load(TADConfig, path, over), modes,
+                                           per_task=a.per_task, device=a.device).items():
+            print(f"{mode}: saved {folder}")
+
+    p.set_defaults(func=run)
+
+
+_UNSET = object()
+
+
+def _threshold_or_none(text: str):
+    return None if text.lower() == "none" else float(text)
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions of prompts from a checkpoint")
+    p.add_argument("model", help="HF-layout checkpoint folder")
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--device", default="cpu")
+    d = p.add_argument_group("block diffusion (the default for block-diffusion checkpoints)")
+    d.add_argument("--diffusion", action="store_true", help="decode with arbor.engine.diffusion")
+    d.add_argument("--mode", choices=["quality", "speed"], default="quality", help="LLaDA2.1 preset")
+    d.add_argument("--method", choices=["editing", "threshold", "low_confidence"])
+    d.add_argument("--threshold", type=float)
+    d.add_argument("--editing-threshold", type=_threshold_or_none, default=_UNSET, help="a float, or 'none' (off)")
+    d.add_argument("--max-post-steps", type=int)
+    d.add_argument("--block-size", type=int, help="default: the model's block_size")
+    d.add_argument("--steps-per-block", type=int)
+    d.add_argument("--gen-length", type=int, default=32)
+    d.add_argument("--no-cache", action="store_true", help="re-forward all blocks every step (reference path)")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(a) -> None:
+    from arbor.models import ModelConfig
+    if a.diffusion or ModelConfig.from_file(a.model).is_block_diffusion:
+        return _run_diffusion_generate(a)
+    raise ValueError("generate serves block-diffusion checkpoints here; pass one (or --diffusion)")
+
+
+def _run_diffusion_generate(a) -> None:
+    from arbor.engine.diffusion import generate_text, quality, speed
+    from arbor.models import load_model
+    from arbor.models.tokenizer import Tokenizer
+    knobs = {k: getattr(a, k) for k in ("method", "threshold", "max_post_steps", "block_size", "steps_per_block")
+             if getattr(a, k) is not None}
+    if a.editing_threshold is not _UNSET:
+        knobs["editing_threshold"] = a.editing_threshold
+    preset = speed if a.mode == "speed" else quality
+    cfg = preset(gen_length=a.gen_length, use_cache=not a.no_cache, **{"block_size": None, **knobs})
+    model = load_model(a.model, device=a.device).eval()
+    for prompt, (text, r) in zip(a.prompts, generate_text(model, Tokenizer.load(a.model), a.prompts, cfg)):
+        print(f"{prompt}{text}\t[{r.num_tokens} tokens, {r.forwards} forwards, TPF {r.tpf:.2f}, {r.edits} edits]")
+
+
+SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ def build_pair(kind: str, device):
     else:
         hf = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**SHAPE, **MOE))
     hf = hf.float().to(device).train()
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    cfg = ModelConfig.from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
     with torch.device("meta"):
         arbor = CausalLM(cfg)
     arbor.load_state_dict(from_hf_tensors(dict(hf.state_dict()), arbor), assign=True)

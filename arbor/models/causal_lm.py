@@ -8,6 +8,8 @@ checkpoints map one to one.
 All inputs are packed: ``input_ids [T]`` holds the tokens of every sequence of the call, and
 ``attn`` (see ``arbor.models.attention``) says who sees whom. Linear-attention layers take and
 return one recurrent state per sequence; MoE layers can return and replay routed expert ids.
+On tree metadata (anything with ``parents``) linear-attention layers run by
+``arbor.models.tree_linear`` and return no state.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from arbor.models.config import ModelConfig
 from arbor.models.gated_deltanet import GatedDeltaNet, LinearState
 from arbor.models.layers import MLP, RMSNorm, Rotary
 from arbor.models.moe import MoE
+from arbor.models.tree_linear import linear_plan_for, tree_gated_deltanet
 
 
 @dataclass
@@ -49,7 +52,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attn, state=None, ids=None):
         h = self.input_layernorm(x)
-        if self.is_linear:
+        if self.is_linear and getattr(attn, "parents", None) is not None:
+            h, state = tree_gated_deltanet(self.linear_attn, h, linear_plan_for(attn, self.linear_attn.chunk_size)), None
+        elif self.is_linear:
             if attn.cu_seqlens is None:
                 raise ValueError(f"{type(attn).__name__} gives no sequence boundaries, which "
                                  "linear-attention layers need; use VarlenAttention")

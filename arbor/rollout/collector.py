@@ -51,7 +51,7 @@ class Episode:
 
 class Collector:
     def __init__(self, engine, tokenizer, cfg: RolloutConfig, sampling_factory):
-        """sampling_factory(max_tokens, temperature, top_p, seed) → the engine's SamplingParams."""
+        """sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos) → the engine's SamplingParams."""
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.sampling = sampling_factory
         self.version = 0
@@ -79,11 +79,12 @@ class Collector:
         part = ep.partial or Segment([], True)
         ep.partial = part
         room = self.cfg.max_context - len(ep.prefix) - len(part.tokens)
-        max_new = min(self.cfg.max_turn_tokens - len(part.tokens), room)
+        max_new = min(getattr(ep.env, "max_turn_tokens", self.cfg.max_turn_tokens) - len(part.tokens), room)
         finish = "length"
         if max_new > 0:
             base = len(part.tokens)
-            params = self.sampling(max_new, self.cfg.temperature, self.cfg.top_p, self._seed(ep) + base)
+            params = self.sampling(max_new, self.cfg.temperature, self.cfg.top_p, self._seed(ep) + base,
+                                   getattr(ep.env, "ignore_eos", False))
             stream = self.engine.generate(ep.prefix + part.tokens, params)
             try:
                 async for out in stream:

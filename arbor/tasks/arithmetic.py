@@ -21,6 +21,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from arbor.rollout.environment import parse_tool_call  # noqa: F401  (re-exported: the task's tool-call syntax)
+
 MAX_VALUE = 10_000          # bound on |intermediate value| of generated problems
 CALC_MAX_ABS = 10**12       # calculator rejects any literal or result beyond this
 CALC_MAX_LEN = 200          # calculator rejects longer inputs
@@ -145,14 +147,7 @@ def calculator(expression: str) -> str:
         return f"error: {type(e).__name__}"
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ANSWER = re.compile(r"\s*([+-]?\d{1,30})(?!\d|\.\d|,\d)")
-
-
-def parse_tool_call(text: str) -> str | None:
-    """Stripped text inside the first complete <tool_call>...</tool_call>, else None."""
-    m = _TOOL_CALL.search(text)
-    return m.group(1).strip() if m else None
 
 
 def parse_answer(text: str) -> int | None:

@@ -64,3 +64,41 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
                 on_log(row)
     model.eval()
     return history
+
+
+@dataclass
+class SFTRunConfig:
+    """``arbor sft``: warm-start a model on a task's demonstrations and save an HF folder."""
+    model: str = "tiny"            # a preset name (random init, built-in tokenizer) or an HF folder
+    task: str = "arithmetic"
+    out: str = "runs/sft"
+    demos: int = 2000
+    device: str = "cpu"
+    train: SFTConfig = field(default_factory=SFTConfig)
+
+
+def run_sft(cfg: SFTRunConfig, on_log=None):
+    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json."""
+    import json
+    from pathlib import Path
+
+    from arbor.models import CausalLM, load_model, save_model
+    from arbor.models.presets import PRESETS, preset_config
+    from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
+    from arbor.rollout.chat import transcript_ids
+    from arbor.tasks.registry import get_task
+
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model in PRESETS:
+        tok = builtin_tokenizer()
+        model = CausalLM(preset_config(cfg.model, tok))
+    else:
+        tok, model = Tokenizer.load(cfg.model), load_model(cfg.model, dtype=torch.float32)
+    model.to(cfg.device)
+    task = get_task(cfg.task)
+    problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
+    examples = [transcript_ids(tok, task.demonstration(p)) for p in problems]
+    history = sft(model, examples, cfg.train, on_log)
+    save_model(model, cfg.out, tokenizer=tok)
+    (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
+    return model, tok, history

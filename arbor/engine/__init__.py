@@ -1,0 +1,1 @@
+"""Inference engine: sequences, KV cache, scheduler, model runner, sampler, block-diffusion decoding."""

@@ -1,0 +1,235 @@
+"""Block-diffusion decoding: LLaDA2.1 joint threshold decoding with token editing, and baselines.
+
+The response (``gen_length`` positions right after the prompt, all ``<|mask|>`` at the start) is
+decoded block by block; block b covers absolute positions [b·B, (b+1)·B), so the first block may
+start inside the prompt's tail, whose tokens are never changed. Each step is one forward pass over
+the current block (finished blocks come from the exact KV cache of ``diffusion_cache``), giving
+``p, x̂ = max / argmax softmax(logits)`` at every block position (the mask token never predicted).
+
+``method="editing"`` (LLaDA2.1, joint M2T + T2T):
+    M2T: every masked position with p > threshold gets x̂; if none passes, the single most
+         confident masked position does;
+    T2T: every already-decoded non-prompt position of the block with x̂ ≠ current token and
+         p > editing_threshold gets x̂ (``editing_threshold=None``: never; 0.0: whenever x̂ differs);
+    once no mask remains: up to ``max_post_steps`` edit-only steps, stopping after the first one
+    that changes nothing; then the block is committed (its K/V written on the next forward).
+``method="threshold"`` (Fast-dLLM): commit the top masked token plus every masked token with
+    p ≥ threshold; no editing.
+``method="low_confidence"`` (LLaDA): ``steps_per_block`` steps per block, each committing the
+    k highest-confidence masked tokens, k from LLaDA's even split of the block's masks.
+
+Decoding stops after the block holding the first stop token (or at ``gen_length``). Every forward
+pass, edit-only ones included, is counted in ``DecodeResult.forwards``; ``num_tokens`` counts the
+response tokens before the first stop token, so TPF = num_tokens / forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from arbor.engine.diffusion_cache import BlockCacheAttention, SeqKVCache
+from arbor.models.attention import BlockDiffusionAttention
+
+METHODS = ("editing", "threshold", "low_confidence")
+
+
+@dataclass
+class DecodeConfig:
+    method: str = "editing"
+    threshold: float = 0.7               # M2T confidence threshold τ
+    editing_threshold: float | None = 0.5  # T2T threshold; None = editing off
+    max_post_steps: int = 16             # edit-only steps after a block has no mask left
+    block_size: int | None = None        # None: the model's config.block_size
+    steps_per_block: int = 8             # low_confidence only
+    gen_length: int = 32
+    use_cache: bool = True               # False: re-forward prompt + all blocks every step
+    record: bool = False                 # keep the response state after every step
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.gen_length <= 0 or self.steps_per_block <= 0 or self.max_post_steps < 0:
+            raise ValueError("gen_length and steps_per_block must be positive, max_post_steps ≥ 0")
+
+
+def quality(**kw) -> DecodeConfig:
+    """LLaDA2.1 Quality mode: τ = 0.7, editing 0.5, 16 post steps, block 32."""
+    return DecodeConfig(**{"method": "editing", "threshold": 0.7, "editing_threshold": 0.5,
+                           "max_post_steps": 16, "block_size": 32, **kw})
+
+
+def speed(**kw) -> DecodeConfig:
+    """LLaDA2.1 Speed mode: τ = 0.5, edit whenever the prediction changes, 16 post steps, block 32."""
+    return DecodeConfig(**{"method": "editing", "threshold": 0.5, "editing_threshold": 0.0,
+                           "max_post_steps": 16, "block_size": 32, **kw})
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]                    # the gen_length response positions (stop token included)
+    num_tokens: int                      # response tokens before the first stop token
+    forwards: int                        # forward passes this sequence took part in
+    edits: int                           # T2T changes applied
+    sequence: list[int] = field(default_factory=list)              # prompt + response, final
+    trajectory: list[torch.Tensor] = field(default_factory=list)   # response after each step
+
+    @property
+    def tpf(self) -> float:
+        return self.num_tokens / max(1, self.forwards)
+
+
+@dataclass
+class _Seq:
+    ids: torch.Tensor                    # [P + gen_length]
+    prompt_len: int
+    block: int                           # index of the block being decoded
+    cache: SeqKVCache = field(default_factory=SeqKVCache)
+    forwards: int = 0
+    edits: int = 0
+    post_steps: int = 0
+    lc_step: int = 0                     # low_confidence: step inside the block
+    lc_masks: int = 0                    # low_confidence: masks at the block's start
+    done: bool = False
+    trajectory: list = field(default_factory=list)
+
+
+def transfer_counts(num_masked: int, steps: int) -> list[int]:
+    """LLaDA's schedule: split ``num_masked`` over ``steps`` as evenly as possible, larger first
+    (steps that would transfer 0 are dropped)."""
+    base, extra = divmod(num_masked, steps)
+    return [c for c in (base + (i < extra) for i in range(steps)) if c > 0]
+
+
+class DiffusionDecoder:
+    """Decode a batch of prompts (token-id lists) with one ``DecodeConfig``; see module docstring."""
+
+    def __init__(self, model, cfg: DecodeConfig, stop_token_ids: list[int] | None = None):
+        if not model.config.is_block_diffusion:
+            raise ValueError(f"diffusion decoding needs a block-diffusion model, got {model.config.architecture}")
+        self.model, self.cfg = model, cfg
+        self.mask_id = model.config.mask_token_id
+        self.block_size = cfg.block_size or model.config.block_size
+        self.stop_ids = list(stop_token_ids if stop_token_ids is not None else model.config.stop_token_ids)
+        self.model_calls = 0
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]]) -> list[DecodeResult]:
+        dev = self.model.device
+        seqs = []
+        for p in prompts:
+            if not p:
+                raise ValueError("every prompt needs at least one token")
+            ids = torch.tensor(list(p) + [self.mask_id] * self.cfg.gen_length, dtype=torch.long, device=dev)
+            seqs.append(_Seq(ids, len(p), len(p) // self.block_size))
+        while active := [s for s in seqs if not s.done]:
+            conf, pred = self._forward(active)
+            for s, c, x in zip(active, conf, pred):
+                s.forwards += 1
+                self._step(s, c, x)
+                if self.cfg.record:
+                    s.trajectory.append(s.ids[s.prompt_len:].clone())
+        return [self._result(s) for s in seqs]
+
+    def _bounds(self, s: _Seq) -> tuple[int, int]:
+        start = s.block * self.block_size
+        return start, min(start + self.block_size, s.ids.shape[0])
+
+    def _forward(self, seqs: list[_Seq]):
+        """One forward pass over every active sequence's current block → per-sequence (p, x̂) [L]."""
+        self.model_calls += 1
+        spans = [self._bounds(s) for s in seqs]
+        if self.cfg.use_cache:
+            segs = [s.ids[s.cache.length:end] for s, (_, end) in zip(seqs, spans)]
+            attn = BlockCacheAttention([s.cache for s in seqs], [len(x) for x in segs],
+                                       [start - s.cache.length for s, (start, _) in zip(seqs, spans)],
+                                       self.block_size)
+            positions = attn.positions(self.model.device)
+            offsets = [start - s.cache.length for s, (start, _) in zip(seqs, spans)]
+        else:
+            segs = [s.ids[:end] for s, (_, end) in zip(seqs, spans)]
+            attn = BlockDiffusionAttention.from_lengths([len(x) for x in segs], self.block_size, self.model.device)
+            positions, offsets = None, [start for start, _ in spans]
+        hidden = self.model(torch.cat(segs), attn, positions=positions).hidden
+        if self.cfg.use_cache:
+            attn.finish()
+        starts = torch.tensor([len(x) for x in segs], device=hidden.device).cumsum(0) - torch.tensor(
+            [len(x) for x in segs], device=hidden.device)
+        rows = torch.cat([torch.arange(int(b) + o, int(b) + len(x), device=hidden.device)
+                          for b, o, x in zip(starts, offsets, segs)])
+        logits = self.model.logits(hidden[rows]).float()
+        logits[:, self.mask_id] = float("-inf")
+        conf, pred = logits.softmax(-1).max(-1)
+        sizes = [end - start for start, end in spans]
+        return conf.split(sizes), pred.split(sizes)
+
+    # ------------------------------------------------------------------ one step's rule
+    def _step(self, s: _Seq, conf: torch.Tensor, pred: torch.Tensor) -> None:
+        start, end = self._bounds(s)
+        cur = s.ids[start:end]
+        editable = torch.arange(start, end, device=cur.device) >= s.prompt_len
+        masked = cur == self.mask_id
+        had_mask = bool(masked.any())
+        unmask = self._unmask(s, conf, masked) if had_mask else torch.zeros_like(masked)
+        edit = torch.zeros_like(masked)
+        if self.cfg.method == "editing" and self.cfg.editing_threshold is not None:
+            edit = ~masked & editable & (pred != cur) & (conf > self.cfg.editing_threshold)
+        change = unmask | edit
+        cur[change] = pred[change]
+        s.edits += int(edit.sum())
+        if had_mask and bool((cur == self.mask_id).any()):
+            return
+        if self.cfg.method == "editing" and self.cfg.editing_threshold is not None:
+            if had_mask:                       # masks just ran out: edit-only steps follow
+                if self.cfg.max_post_steps > 0:
+                    return
+            else:
+                s.post_steps += 1
+                if bool(edit.any()) and s.post_steps < self.cfg.max_post_steps:
+                    return
+        self._commit(s, end)
+
+    def _unmask(self, s: _Seq, conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        c = torch.where(masked, conf, torch.full_like(conf, -1.0))
+        top = torch.zeros_like(masked)
+        if self.cfg.method == "low_confidence":
+            if s.lc_step == 0:
+                s.lc_masks = int(masked.sum())
+            counts = transfer_counts(s.lc_masks, self.cfg.steps_per_block)
+            k = counts[s.lc_step] if s.lc_step < len(counts) else int(masked.sum())
+            s.lc_step += 1
+            top[c.topk(min(k, int(masked.sum()))).indices] = True
+            return top
+        top[c.argmax()] = True
+        if self.cfg.method == "threshold":
+            return top | (masked & (conf >= self.cfg.threshold))
+        passed = masked & (conf > self.cfg.threshold)
+        return passed if bool(passed.any()) else top
+
+    def _commit(self, s: _Seq, end: int) -> None:
+        s.post_steps = s.lc_step = 0
+        s.block += 1
+        response = s.ids[s.prompt_len:end]
+        stopped = any(bool((response == t).any()) for t in self.stop_ids)
+        s.done = stopped or end >= s.ids.shape[0]
+
+    def _result(self, s: _Seq) -> DecodeResult:
+        tokens = s.ids[s.prompt_len:].tolist()
+        n = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
+        return DecodeResult(tokens, n, s.forwards, s.edits, s.ids.tolist(), s.trajectory)
+
+
+def diffusion_generate(model, prompts: list[list[int]], cfg: DecodeConfig | None = None,
+                       stop_token_ids: list[int] | None = None, **overrides) -> list[DecodeResult]:
+    """Python API: decode ``prompts`` (lists of token ids) with ``cfg`` (default ``quality()``)."""
+    cfg = replace(cfg or quality(), **overrides)
+    return DiffusionDecoder(model, cfg, stop_token_ids).generate(prompts)
+
+
+def generate_text(model, tokenizer, prompts: list[str], cfg: DecodeConfig | None = None, **overrides):
+    """Strings in, (text before the stop, DecodeResult) pairs out."""
+    stop = [tokenizer.eos_token_id]
+    results = diffusion_generate(model, [tokenizer.encode(p) for p in prompts], cfg, stop, **overrides)
+    return [(tokenizer.decode(r.tokens[:r.num_tokens]), r) for r in results]

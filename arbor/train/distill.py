@@ -1,0 +1,191 @@
+"""TAD — temporal-aware trajectory self-distillation for block-diffusion LMs.
+
+1. The teacher (a frozen copy of the model) reads ``reference_prompt`` (prompt + "Reference
+   answer: …") and decodes one token per step (LLaDA low-confidence, k = 1); the response state
+   after every step is recorded: s_0 (all masked), s_1, …, s_K. Only trajectories whose final
+   answer is correct are kept.
+2. Pairs (s_k, s_{k+Δ}) (k + Δ clipped to K). Inside the block being decoded at step k (the block
+   of s_k's first mask; later blocks are not yet part of the input), a position masked in s_k is
+     near    if it is revealed in s_{k+Δ}  → CE against the teacher's token s_{k+Δ}[i];
+     distant if it is still masked there   → KL(p_teacher ‖ p_student) at temperature 1, the
+                                             teacher reading its reference-conditioned input.
+   Loss = CE_near + KL_distant, each the mean over its positions in the batch (0 if none).
+3. A smaller Δ gives the Quality student, a larger Δ (more distant tokens pulled towards the
+   teacher's reference-informed distribution) the Speed student.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from arbor.engine.diffusion import DecodeConfig, diffusion_generate
+from arbor.train.diffusion import Example, PaddedBlockAttention
+from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+
+QUALITY_DELTA, SPEED_DELTA = 2, 8
+
+
+@dataclass
+class TADConfig:
+    delta: int = SPEED_DELTA
+    steps: int = 300
+    batch_size: int = 32
+    seed: int = 0
+    log_every: int = 50
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=20))
+
+
+@dataclass
+class Trajectory:
+    example: Example
+    states: list[torch.Tensor]           # response after 0, 1, …, K steps (s_0 all masked)
+
+
+def record_trajectories(teacher, examples: list[Example], is_correct, gen_length: int,
+                        batch_size: int = 64) -> list[Trajectory]:
+    """Teacher's reference-conditioned one-token-per-step trajectories; keeps those with
+    ``is_correct(index, response_tokens)`` true."""
+    B = teacher.config.block_size
+    cfg = DecodeConfig(method="low_confidence", steps_per_block=B, gen_length=gen_length, record=True)
+    mask = teacher.config.mask_token_id
+    kept = []
+    for lo in range(0, len(examples), batch_size):
+        chunk = examples[lo:lo + batch_size]
+        results = diffusion_generate(teacher, [e.reference_prompt for e in chunk], cfg)
+        for i, (e, r) in enumerate(zip(chunk, results)):
+            if is_correct(lo + i, r.tokens[:r.num_tokens]):
+                s0 = torch.full((gen_length,), mask, dtype=torch.long)
+                kept.append(Trajectory(e, [s0] + [s.cpu() for s in r.trajectory]))
+    return kept
+
+
+def current_block(prompt_len: int, state: torch.Tensor, mask_id: int, block_size: int) -> torch.Tensor:
+    """bool [gen_length]: the response positions of the block holding the first mask of ``state``."""
+    pos = prompt_len + torch.arange(state.shape[0])
+    masked = (state == mask_id).nonzero()
+    if len(masked) == 0:
+        return torch.zeros_like(state, dtype=torch.bool)
+    return pos // block_size == int(pos[masked[0, 0]]) // block_size
+
+
+def partition(state_k: torch.Tensor, state_kd: torch.Tensor, mask_id: int, region: torch.Tensor | None = None):
+    """(near, distant) bool masks: masked at k and revealed / still masked at k + Δ (inside region)."""
+    masked = state_k == mask_id
+    if region is not None:
+        masked = masked & region
+    still = state_kd == mask_id
+    return masked & ~still, masked & still
+
+
+def tad_loss(student_logits, teacher_logits, targets, near, distant) -> dict:
+    """CE_near + KL_distant: mean CE(student, target) over near rows + mean KL(teacher ‖ student)
+    over distant rows (rows = positions; logits [N, V])."""
+    logp_s = F.log_softmax(student_logits.float(), -1)
+    zero = logp_s.sum() * 0
+    ce = -logp_s[near].gather(-1, targets[near, None]).mean() if bool(near.any()) else zero
+    if bool(distant.any()):
+        logp_t = F.log_softmax(teacher_logits.float(), -1)[distant]
+        kl = (logp_t.exp() * (logp_t - logp_s[distant])).sum(-1).mean()
+    else:
+        kl = zero
+    return {"loss": ce + kl, "ce_near": ce, "kl_distant": kl}
+
+
+def make_pairs(trajectories: list[Trajectory], delta: int, mask_id: int, block_size: int):
+    """(trajectory index, k, region, near, distant, targets) for every k with a near or distant position."""
+    pairs = []
+    for t, traj in enumerate(trajectories):
+        K = len(traj.states) - 1
+        for k in range(K):
+            sk, skd = traj.states[k], traj.states[min(k + delta, K)]
+            region = current_block(len(traj.example.prompt), sk, mask_id, block_size)
+            near, distant = partition(sk, skd, mask_id, region)
+            if bool((near | distant).any()):
+                pairs.append((t, k, region, near, distant, skd))
+    return pairs
+
+
+def _forward_rows(model, prompts, states, regions):
+    """Logits at the region positions of prompt ‖ state (cut after the region's block)."""
+    seqs = [list(p) + s[:int(r.nonzero().max()) + 1].tolist() for p, s, r in zip(prompts, states, regions)]
+    dev = model.device
+    hidden = model(torch.tensor([x for s in seqs for x in s], device=dev),
+                   PaddedBlockAttention([len(s) for s in seqs], model.config.block_size, dev)).hidden
+    rows, start = [], 0
+    for p, s, r in zip(prompts, seqs, regions):
+        rows.append(start + len(p) + r.nonzero().squeeze(-1))
+        start += len(s)
+    return model.logits(hidden[torch.cat(rows).to(dev)])
+
+
+def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=None, on_log=None) -> list[dict]:
+    """Train ``student`` in place on TAD pairs; ``teacher`` defaults to a frozen copy of it."""
+    teacher = teacher if teacher is not None else copy.deepcopy(student)
+    teacher.eval().requires_grad_(False)
+    mask_id, B = student.config.mask_token_id, student.config.block_size
+    pairs = make_pairs(trajectories, cfg.delta, mask_id, B)
+    if not pairs:
+        raise ValueError("TAD has no training pairs: no correct teacher trajectory was recorded")
+    rng = random.Random(cfg.seed)
+    opt = make_optimizer(student, cfg.optim)
+    student.train()
+    history = []
+    for step in range(cfg.steps):
+        batch = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_size)]
+        trajs = [trajectories[b[0]] for b in batch]
+        states = [tr.states[b[1]] for tr, b in zip(trajs, batch)]
+        regions = [b[2] for b in batch]
+        sel = lambda i: torch.cat([b[i][b[2]] for b in batch]).to(student.device)
+        logits_s = _forward_rows(student, [tr.example.prompt for tr in trajs], states, regions)
+        with torch.no_grad():
+            logits_t = _forward_rows(teacher, [tr.example.reference_prompt for tr in trajs], states, regions)
+        parts = tad_loss(logits_s, logits_t, sel(5), sel(3), sel(4))
+        parts["loss"].backward()
+        stats = optimizer_step(student, opt, step, cfg.steps, cfg.optim)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            row = {"step": step, **{k: v.item() for k, v in parts.items()}, **stats}
+            history.append(row)
+            if on_log:
+                on_log(row)
+    student.eval()
+    return history
+
+
+def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:
+    """Correct reference-conditioned teacher trajectories on the training prompts of built-in tasks."""
+    from arbor.train.diffusion import TASKS, task_examples
+    out = []
+    for i, task in enumerate(tasks):
+        problems, examples = task_examples(tokenizer, task, per_task, seed + i, "train", teacher.config.block_size)
+        ok = lambda j, toks, ps=problems, mod=TASKS[task]: mod.score(ps[j], tokenizer.decode(toks)) == 1.0
+        out += record_trajectories(teacher, examples, ok, TASKS[task].GEN_LENGTH)
+    return out
+
+
+def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"), tasks=None,
+                   per_task: int = 400, device: str = "cpu", on_log=print) -> dict:
+    """Load a block-diffusion checkpoint, record its trajectories, write one student per mode
+    (``out_dir/quality`` with Δ = QUALITY_DELTA, ``out_dir/speed`` with Δ = SPEED_DELTA unless
+    ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from arbor.models import load_model, save_model
+    from arbor.models.tokenizer import Tokenizer
+    from arbor.train.diffusion import TASKS
+    tok = Tokenizer.load(model_dir)
+    teacher = load_model(model_dir, device=device).eval()
+    trajectories = teacher_trajectories(teacher, tok, list(tasks or TASKS), per_task, cfg.seed)
+    on_log({"correct_trajectories": len(trajectories)})
+    out = {}
+    for mode in modes:
+        delta = cfg.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
+        student = load_model(model_dir, device=device)
+        distill(student, trajectories, replace(cfg, delta=delta), teacher=teacher, on_log=on_log)
+        out[mode] = save_model(student, Path(out_dir) / mode, tokenizer=tok)
+    return out

@@ -1,0 +1,237 @@
+"""The RL loop: collect → advantages → recompute log-probs → train → sync weights, each one call.
+
+Colocated runtime: trainer and engine live in one process. When the engine runs in the trainer's
+dtype on the same device it shares the trainer's parameter tensors, so a weight sync moves no
+data; otherwise ``engine.update_weights`` copies into the engine's own tensors. Either way the
+sync time is logged every step.
+
+C3PO++ (``c3po.enabled``): each iteration generates until finished groups hold ``token_budget``
+model tokens (Φ), keeping at most ``capacity`` groups in flight (Ω); unfinished rollouts carry
+over to the next iteration and continue under the new weights; groups older than ``max_age``
+iterations (σ) are dropped. A group is trained only once all its samples are done, so group
+advantages stay exact. With C3PO++ off, each iteration starts ``groups_per_step`` groups and
+waits for all of them (the synchronous baseline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from arbor.rollout.collector import Collector, RolloutConfig
+from arbor.train.advantages import group_advantages
+from arbor.train.losses import LossConfig, policy_loss
+from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.packing import pack_by_tokens
+from arbor.train.logprobs import packed_logprobs
+
+
+@dataclass
+class C3POConfig:
+    enabled: bool = True
+    token_budget: int = 2000     # Φ: model tokens of finished groups per iteration
+    capacity: int = 16           # Ω: groups in flight
+    max_age: int = 2             # σ: iterations a group may live
+
+
+@dataclass
+class RLConfig:
+    model: str = "runs/demo/sft"
+    out: str = "runs/rl"
+    task: str = "arithmetic"
+    seed: int = 0
+    steps: int = 20
+    groups_per_step: int = 8
+    advantage: str = "grpo"
+    normalize_std: bool = True
+    micro_tokens: int = 8192
+    engine_dtype: str = "float32"
+    engine_logit_noise: float = 0.0
+    device: str = "cpu"
+    eval_every: int = 0
+    eval_problems: int = 64
+    checkpoint_every: int = 5
+    resume: bool = True
+    tree: bool = True
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
+    c3po: C3POConfig = field(default_factory=C3POConfig)
+
+
+def flat(trajs, key) -> list:
+    return [x for t in trajs for x in getattr(t, key)]
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig, model, tokenizer, engine, sampling_factory, task):
+        self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
+        self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory)
+        self.sampling_factory = sampling_factory
+        self.optimizer = make_optimizer(model, cfg.optim)
+        self.problems = task.generate(max(4096, cfg.steps * cfg.c3po.capacity * 2), seed=cfg.seed, split="train")
+        self.step, self.next_problem, self.next_group = 0, 0, 0
+        self.pool: list = []
+        self.history: list[dict] = []
+
+    # ---- collect ------------------------------------------------------------------------
+    def new_group(self):
+        p = self.problems[self.next_problem % len(self.problems)]
+        self.next_problem += 1
+        self.next_group += 1
+        return self.task.make_env(p), p, self.next_group - 1
+
+    async def collect(self):
+        c = self.cfg.c3po
+        if c.enabled:
+            return await self.collector.run_iteration(self.pool, self.step, c.token_budget, self.new_group,
+                                                      c.capacity, c.max_age)
+        pool = []
+        for _ in range(self.cfg.groups_per_step):
+            env, p, g = self.new_group()
+            pool += await self.collector.start(env, g, p, self.step)
+        return await self.collector.run_iteration(pool, self.step)
+
+    # ---- train --------------------------------------------------------------------------
+    def micro_batches(self, trajs):
+        return pack_by_tokens([len(t.tokens) for t in trajs], self.cfg.micro_tokens)
+
+    def recompute_old(self, trajs) -> list[torch.Tensor]:
+        """logp_old: the trainer's log-probs at θ_old, per trajectory (no gradient)."""
+        out = [None] * len(trajs)
+        with torch.no_grad():
+            for micro in self.micro_batches(trajs):
+                logp, cu = packed_logprobs(self.model, [trajs[i].tokens for i in micro])
+                for j, i in enumerate(micro):
+                    out[i] = logp[cu[j]:cu[j + 1]]
+        return out
+
+    def train_on(self, trajs, logp_old) -> dict:
+        dev = self.model.device
+        rewards = torch.tensor([t.reward for t in trajs])
+        adv = group_advantages(rewards, torch.tensor([t.group for t in trajs]), self.cfg.advantage,
+                               self.cfg.normalize_std)
+        stats, n = {}, len(trajs)
+        self.model.train()
+        for micro in self.micro_batches(trajs):
+            sub = [trajs[i] for i in micro]
+            logp, _ = packed_logprobs(self.model, [t.tokens for t in sub])
+            lengths = [len(t.tokens) for t in sub]
+            loss, st = policy_loss(
+                logp, torch.cat([logp_old[i] for i in micro]).to(dev),
+                torch.tensor(flat(sub, "logp_infer"), device=dev),
+                torch.repeat_interleave(adv[micro].to(dev), torch.tensor(lengths, device=dev)),
+                torch.tensor(flat(sub, "loss_mask"), device=dev),
+                torch.repeat_interleave(torch.tensor(micro, device=dev), torch.tensor(lengths, device=dev)),
+                n, self.cfg.loss)
+            loss.backward()
+            w = st.pop("tokens")
+            for k, v in st.items():
+                stats[k] = max(stats.get(k, 0.0), v) if k == "max_k" else stats.get(k, 0.0) + v * w
+            stats["tokens"] = stats.get("tokens", 0.0) + w
+        for k in ("masked_frac", "mismatch_abs", "clip_frac"):
+            stats[k] = stats.get(k, 0.0) / max(1.0, stats.get("tokens", 1.0))
+        stats.update(optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim))
+        self.model.eval()
+        return stats
+
+    def sync_weights(self) -> float:
+        t0 = time.perf_counter()
+        self.engine.update_weights(self.model.state_dict())
+        self.collector.version += 1
+        return time.perf_counter() - t0
+
+    async def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        trees, self.pool, rstats = await self.collect()
+        t1 = time.perf_counter()
+        trajs = [t for tree in trees for t in tree.trajectories()]
+        row = {"step": self.step, **rstats}
+        if trajs:
+            logp_old = self.recompute_old(trajs)
+            t2 = time.perf_counter()
+            row.update(self.train_on(trajs, logp_old))
+            t3 = time.perf_counter()
+            row["sync_s"] = self.sync_weights()
+            row.update(recompute_s=t2 - t1, train_s=t3 - t2)
+            rewards = [t.reward for t in trajs]
+            row.update(reward=sum(rewards) / len(rewards), samples=len(trajs),
+                       staleness=max(self.collector.version - 1 - min((v for v in flat(trajs, "versions") if v >= 0), default=0), 0))
+        row["rollout_s"] = t1 - t0
+        self.step += 1
+        return row
+
+    # ---- eval ---------------------------------------------------------------------------
+    async def evaluate(self, n: int | None = None, split: str = "test") -> float:
+        probs = self.task.generate(n or self.cfg.eval_problems, seed=self.cfg.seed + 1, split=split)
+        cfg = RolloutConfig(**{**self.cfg.rollout.__dict__, "temperature": 0.0, "branch": [1]})
+        collector = Collector(self.engine, self.tok, cfg, self.sampling_factory)
+        pool = []
+        for g, p in enumerate(probs):
+            pool += await collector.start(self.task.make_env(p), g, p, 0)
+        trees, _, _ = await collector.run_iteration(pool, 0)
+        return sum(tree.trajectories()[0].reward for tree in trees) / max(1, len(trees))
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def save(self, folder: Path) -> None:
+        from arbor.models import save_model
+        tmp = folder.with_name(folder.name + ".tmp")
+        save_model(self.model, tmp / "model", tokenizer=self.tok)
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "pool": self.pool,
+                    "next_problem": self.next_problem, "next_group": self.next_group,
+                    "version": self.collector.version, "history": self.history,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "trainer.pt")
+        if folder.exists():
+            import shutil
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+
+    def load(self, folder: Path) -> None:
+        from arbor.models.checkpoint import from_hf_tensors, read_tensors
+        state = from_hf_tensors(read_tensors(folder / "model"), self.model)
+        with torch.no_grad():
+            for name, p in self.model.state_dict().items():
+                p.copy_(state[name])
+        s = torch.load(folder / "trainer.pt", weights_only=False)
+        self.optimizer.load_state_dict(s["optimizer"])
+        self.step, self.pool, self.history = s["step"], s["pool"], s["history"]
+        self.next_problem, self.next_group = s["next_problem"], s["next_group"]
+        self.collector.version = s["version"]
+        torch.set_rng_state(s["rng"]["torch"])
+        random.setstate(s["rng"]["python"])
+        self.engine.update_weights(self.model.state_dict())
+
+    async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
+        """Train to ``cfg.steps`` (resuming from ``out/checkpoint``); ``stop_after`` ends early
+        after that many steps of this call (used to simulate a crash in tests)."""
+        out = Path(self.cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt = out / "checkpoint"
+        if self.cfg.resume and (ckpt / "trainer.pt").exists():
+            self.load(ckpt)
+        metrics = (out / "metrics.jsonl").open("a")
+        done = 0
+        while self.step < self.cfg.steps and (stop_after is None or done < stop_after):
+            row = await self.train_step()
+            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
+                row["test_accuracy"] = await self.evaluate()
+            self.history.append(row)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            if on_row:
+                on_row(row)
+            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                self.save(ckpt)
+            done += 1
+        metrics.close()
+        return self.history
+
+
+def run_sync(coro):
+    return asyncio.run(coro)

@@ -1,0 +1,104 @@
+"""``arbor train`` / ``arbor eval``: build model, engine and trainer from a config and run them.
+
+The engine is colocated with the trainer (same process). In the trainer's dtype and device it
+serves the trainer's own module, so weight sync moves nothing; in another dtype it holds a copy
+that ``update_weights`` refreshes after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", logit_noise: float = 0.0,
+                max_model_len: int = 1024):
+    """→ (AsyncLLMEngine, sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos))."""
+    from arbor.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+    if dtype not in DTYPES:
+        raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got '{dtype}'")
+    cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len)
+    engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer)
+    eos = tokenizer.eos_token_id
+
+    def sampling(max_tokens, temperature, top_p, seed, ignore_eos=False):
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              stop_token_ids=[] if ignore_eos else [eos], ignore_eos=ignore_eos)
+
+    return engine, sampling
+
+
+def build_trainer(cfg):
+    from arbor.models import load_model
+    from arbor.models.tokenizer import Tokenizer
+    from arbor.tasks.registry import get_task
+    from arbor.train.rl import RLTrainer
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg.model, dtype=torch.float32, device=cfg.device)
+    tok = Tokenizer.load(cfg.model)
+    engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
+                                   cfg.rollout.max_context + 64)
+    return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task))
+
+
+def plot_history(history: list[dict], path: Path, title: str = "") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in history if "reward" in r]
+    ax.plot(steps, [r["reward"] for r in history if "reward" in r], label="train reward")
+    ev = [(r["step"], r["test_accuracy"]) for r in history if "test_accuracy" in r]
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="held-out accuracy")
+    ax.set_xlabel("RL step")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train(cfg, progress: bool = True) -> list[dict]:
+    from tqdm import tqdm
+
+    from arbor import configs
+    trainer = build_trainer(cfg)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(configs.to_dict(cfg), indent=2))
+    bar = tqdm(total=cfg.steps, disable=not progress, desc="rl")
+    writer = None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(str(out / "tb"))
+    except ImportError:
+        pass
+
+    def on_row(row):
+        bar.n = row["step"] + 1
+        bar.set_postfix(reward=f"{row.get('reward', 0):.2f}", masked=f"{row.get('masked_frac', 0):.4f}")
+        bar.refresh()
+        if writer:
+            for k, v in row.items():
+                if isinstance(v, (int, float)):
+                    writer.add_scalar(k, v, row["step"])
+
+    history = asyncio.run(trainer.run(on_row))
+    bar.close()
+    plot_history(history, out / "reward.png", f"{cfg.task} RL")
+    trainer.save(out / "final")
+    return history
+
+
+def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu") -> float:
+    from arbor.train.rl import RLConfig
+    cfg = RLConfig(model=model_dir, task=task, device=device, eval_problems=n)
+    trainer = build_trainer(cfg)
+    return asyncio.run(trainer.evaluate(n))

@@ -1,0 +1,148 @@
+"""One forward over a tree row → exact per-token log-probs of every trajectory.
+
+Log-prob of compact token i: ``logp[i] = log softmax(lm_head(h[parent[i]]))[token_i]`` (0 at a
+root, which has no prediction) — the same number as log π(x_t | x_<t) at that token in every
+trajectory through i, because i's hidden state depends only on i and its ancestors. Per
+trajectory j: ``logp_j = logp[traj_index[j]]`` (autograd sums a shared token's gradient over the
+trajectories through it), so any RL loss written for per-trajectory tensors applies unchanged.
+
+Per-token-weights form: for a loss Σ_j Σ_t w_jt · logp_jt, the compact weights are
+``W[i] = Σ_{j,t: traj_index[j][t] = i} w_jt`` and Σ_i W[i]·logp[i] is the same loss (with
+w_jt = w it is w · multiplicity[i]).
+
+Softmax layers use ``SegmentTreeAttention``: for each fork-free run s (see
+``arbor.models.tree_linear``), queries of s attend to the keys of all ancestor runs and causally
+inside s — exactly ancestors + self, with cost Σ_i depth(i) instead of the [T, T] dense mask.
+Linear-attention layers run level by level through the same segments (``tree_linear``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from arbor.models import TreeAttention, expert_counts
+from arbor.models.attention import _sdpa
+from arbor.models.tree_linear import Segments, segment_depths, tree_segments
+from arbor.train.logprobs import gather_logprobs, packed_logprobs
+from arbor.train.packing import pack_by_tokens
+from arbor.train.tree_batch import TreeConfig, TreeRow, build_rows
+
+
+@dataclass
+class SegmentTreeAttention:
+    """Tree attention metadata (token sees itself and its ancestors) computed per fork-free run."""
+
+    parents: torch.Tensor
+    linear_replay: bool = True
+    segments: Segments = field(init=False)
+    cu_seqlens = None
+
+    def __post_init__(self):
+        self.segments = tree_segments(self.parents.tolist())
+        seg, dev = self.segments, self.parents.device
+        self._keys, self._masks = [], []
+        for s in range(len(seg)):
+            chain, cur = [], s
+            while cur >= 0:
+                chain.append(cur)
+                cur = seg.parent[cur]
+            keys = torch.cat([torch.arange(seg.start[c], seg.end[c]) for c in reversed(chain)])
+            n = seg.end[s] - seg.start[s]
+            ctx = keys.numel() - n
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+            mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), mask], 1)
+            self._keys.append(keys.to(dev))
+            self._masks.append(None if ctx == 0 else mask.to(dev))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.parents.shape[0]
+
+    def positions(self) -> torch.Tensor:
+        return segment_depths(self.segments, self.num_tokens).to(self.parents.device)
+
+    def attend(self, layer_idx, q, k, v, scale):
+        seg, outs = self.segments, []
+        for s, (keys, mask) in enumerate(zip(self._keys, self._masks)):
+            qs = q[None, seg.start[s]:seg.end[s]]
+            if mask is None:  # a root run: plain causal attention over itself
+                outs.append(_sdpa(qs, k[None, keys], v[None, keys], scale, causal=True)[0])
+            else:
+                outs.append(_sdpa(qs, k[None, keys], v[None, keys], scale, mask=mask)[0])
+        return torch.cat(outs)
+
+
+def row_attention(row: TreeRow, cfg: TreeConfig):
+    parents = row.parents
+    if cfg.attention == "dense":
+        attn = TreeAttention(parents)
+        attn.linear_replay = cfg.replay
+        return attn
+    return SegmentTreeAttention(parents, linear_replay=cfg.replay)
+
+
+@dataclass
+class RowOutput:
+    logp: torch.Tensor                   # [T] compact per-token log-probs, float32
+    per_trajectory: list[torch.Tensor]   # aligned with row.traj_ids, each [L_j]
+    routed_experts: torch.Tensor | None  # [num_moe_layers, T, k] when asked
+
+
+def row_logprobs(model, row: TreeRow, cfg: TreeConfig = TreeConfig(), replay_routing: bool = True,
+                 return_routing: bool = False) -> RowOutput:
+    """Forward one tree row. replay_routing: force the row's recorded expert ids if it has any."""
+    row = row.to(model.device)
+    attn = row_attention(row, cfg)
+    routed = row.routed_experts if replay_routing else None
+    out = model(row.tokens, attn, positions=row.positions, routed_experts=routed, return_routing=return_routing)
+    logp = gather_logprobs(model, out.hidden[row.parents.clamp(min=0)], row.tokens)
+    logp = torch.where(row.parents >= 0, logp, torch.zeros_like(logp))
+    return RowOutput(logp, [logp[idx] for idx in row.traj_index], out.routed_experts)
+
+
+def tree_logprobs(model, rows: list[TreeRow], num_trajectories: int, cfg: TreeConfig = TreeConfig()) -> list[torch.Tensor]:
+    """Per-trajectory log-probs [L_j] of every trajectory (global order) from tree rows."""
+    out: list[torch.Tensor | None] = [None] * num_trajectories
+    for row in rows:
+        for j, lp in zip(row.traj_ids, row_logprobs(model, row, cfg).per_trajectory):
+            out[j] = lp
+    return out
+
+
+def trajectory_logprobs(model, trajectories: list[list[int]], token_cap: int = 8192,
+                        routed: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Trajectory-wise reference: packed (VarlenAttention) micro-batches of ≤ token_cap tokens."""
+    out: list[torch.Tensor | None] = [None] * len(trajectories)
+    for micro in pack_by_tokens([len(t) for t in trajectories], token_cap):
+        rr = None if routed is None else torch.cat([routed[i] for i in micro], 1).to(model.device)
+        logp, cu = packed_logprobs(model, [trajectories[i] for i in micro], routed_experts=rr)
+        for i, lp in zip(micro, logp.split(cu.diff().tolist())):
+            out[i] = lp
+    return out
+
+
+def batch_logprobs(model, groups: list[list[list[int]]], cfg: TreeConfig = TreeConfig()) -> list[torch.Tensor]:
+    """Per-trajectory log-probs of all groups' trajectories (global order): one forward per tree
+    row when ``cfg.tree``, else trajectory-wise. The two agree to float rounding."""
+    if not cfg.tree:
+        return trajectory_logprobs(model, [t for g in groups for t in g], cfg.token_cap)
+    rows, n = build_rows(groups, cfg.token_cap)
+    return tree_logprobs(model, rows, n, cfg)
+
+
+def compact_weights(row: TreeRow, weights: list[torch.Tensor]) -> torch.Tensor:
+    """Per-trajectory token weights (aligned with row.traj_ids) → compact weights W [T]:
+    W[i] = Σ of the weights of i over the trajectories through it."""
+    out = torch.zeros(row.num_tokens, dtype=torch.float32, device=row.tokens.device)
+    for idx, w in zip(row.traj_index, weights):
+        out.index_add_(0, idx.to(out.device), w.to(out))
+    return out
+
+
+def row_expert_counts(routed: torch.Tensor, row: TreeRow, num_experts: int) -> torch.Tensor:
+    """Semantic expert load [num_moe_layers, E]: each compact token counts multiplicity times,
+    as trajectory-wise training counts it. Computed from the ids a forward returned, once per
+    forward, so recomputation (which re-runs the router) never counts twice."""
+    return expert_counts(routed, num_experts, row.multiplicity.to(routed.device))
