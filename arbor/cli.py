@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree"]
 
 
 def add_bench(sub) -> None:

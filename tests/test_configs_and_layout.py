@@ -69,3 +69,31 @@ def test_pack_by_tokens():
     assert sorted(i for b in bins for i in b) == list(range(6))
     assert all(sum(lengths[i] for i in b) <= 12 for b in bins)
     assert pack_by_tokens([20], 8) == [[0]]
+
+
+def test_every_task_demonstration_is_correct_and_env_scores_it():
+    import asyncio
+
+    from arbor.tasks.registry import TASKS, get_task
+    for name in TASKS:
+        task = get_task(name)
+        p = task.generate(3, seed=0, split="test")[0]
+        demo = task.demonstration(p)
+        assert task.is_correct(p, demo[-1]["content"]), name
+        if name == "python":
+            continue  # its tool runs in the sandbox: covered by tests/test_python_tool.py
+
+        async def play():
+            env = task.make_env(p)
+            await env.reset()
+            reward = None
+            for m in demo[2:]:
+                if m["role"] == "assistant":
+                    obs, reward, done = await env.step(m["content"])
+                    if not done:
+                        assert obs is not None
+            return reward
+
+        assert asyncio.run(play()) == 1.0, name
+    with pytest.raises(ValueError, match="unknown task"):
+        get_task("chess")

@@ -5,7 +5,7 @@ import torch
 
 from arbor.models.attention import ancestor_mask, tree_depths
 from arbor.models.tree_linear import plan_linear, tree_segments
-from arbor.train.tree_batch import TreeConfig, build_rows, build_tree
+from arbor.train.tree_batch import TreeConfig, build_rows, build_tree, group_trajectories
 from arbor.train.tree_plan import assign_lpt, first_fit_decreasing, plan_rows
 
 
@@ -110,3 +110,23 @@ def test_config_validates():
     assert TreeConfig().tree is True
     with pytest.raises(ValueError, match="segments or dense"):
         TreeConfig(attention="flash")
+
+
+def test_group_trajectories_keeps_order():
+    from types import SimpleNamespace as T
+    trajs = [T(tokens=[1, 2], group=5), T(tokens=[1, 3], group=5), T(tokens=[4], group=2)]
+    assert group_trajectories(trajs) == [[[1, 2], [1, 3]], [[4]]]
+    with pytest.raises(ValueError, match="not contiguous"):
+        group_trajectories(trajs + [T(tokens=[9], group=5)])
+
+
+def test_moe_aux_loss_with_multiplicities_equals_expanded():
+    from arbor.train.tree_forward import moe_aux_loss
+    (row,), _ = build_rows([random_group(3)], token_cap=1000)
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.randn(row.num_tokens, 6, generator=gen).softmax(-1)
+    ids = probs.topk(2, -1).indices
+    flat = torch.cat(row.traj_index)  # every trajectory's tokens, shared ones repeated
+    expanded = moe_aux_loss(probs[flat], ids[flat], torch.ones(len(flat)))
+    assert torch.allclose(moe_aux_loss(probs, ids, row.multiplicity), expanded, atol=1e-6)
+    assert not torch.allclose(moe_aux_loss(probs, ids, torch.ones(row.num_tokens)), expanded, atol=1e-4)

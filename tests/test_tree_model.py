@@ -181,3 +181,37 @@ def test_moe_counts_and_routing_replay(kind):
     for j, lp in zip(rrow.traj_ids, rep.per_trajectory):
         tree[j] = lp
     assert max_diff(tree, ref) <= 1e-5
+
+
+def test_tree_packed_logprobs_is_a_drop_in():
+    from arbor.train.logprobs import packed_logprobs
+    from arbor.train.tree_forward import tree_packed_logprobs
+    model, seqs = model_of(HYBRID).eval(), flat(groups_of())
+    with torch.no_grad():
+        ref, cu_ref = packed_logprobs(model, seqs)
+        recorded = model(torch.tensor([t for s in seqs for t in s]), VarlenAttention.from_lengths(
+            [len(s) for s in seqs]), return_routing=True).routed_experts
+        tree, cu = tree_packed_logprobs(model, seqs)
+        replayed, _ = tree_packed_logprobs(model, seqs, routed_experts=recorded)
+    assert torch.equal(cu, cu_ref) and tree.shape == ref.shape
+    assert (tree - ref).abs().max() <= 1e-5 and (replayed - ref).abs().max() <= 1e-5
+
+
+def test_hybrid_on_any_tree_order():
+    """Plain TreeAttention with two branches interleaved token by token (not depth-first): every
+    token is its own segment, and the linear layers still match each path alone."""
+    from arbor.models import TreeAttention
+    model = model_of(HYBRID).eval()
+    gen = torch.Generator().manual_seed(7)
+    parents = [-1, 0, 1, 2, 3]                                   # shared prefix of 5
+    a, b = [4], [4]
+    for _ in range(6):                                           # branches a and b, interleaved
+        parents.append(a[-1]), a.append(len(parents) - 1)
+        parents.append(b[-1]), b.append(len(parents) - 1)
+    ids = torch.randint(0, 64, (len(parents),), generator=gen)
+    with torch.no_grad():
+        tree = model.logits(model(ids, TreeAttention(torch.tensor(parents))).hidden)
+        for branch in (a, b):
+            path = [0, 1, 2, 3] + branch
+            alone = model.logits(model(ids[path], VarlenAttention.from_lengths([len(path)])).hidden)
+            assert (tree[path] - alone).abs().max() <= 1e-5

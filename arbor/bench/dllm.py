@@ -29,8 +29,8 @@ SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)
 
 
 def decoders(block_size: int) -> list[tuple[str, DecodeConfig]]:
-    lc = [(f"low_confidence k={block_size // s}", DecodeConfig(method="low_confidence", steps_per_block=s))
-          for s in (block_size, block_size // 2, block_size // 4)]
+    lc = [(f"low_confidence {s} steps/block", DecodeConfig(method="low_confidence", steps_per_block=s))
+          for s in (block_size, 4, 2)]
     th = [(f"threshold τ={t}", DecodeConfig(method="threshold", threshold=t, editing_threshold=None))
           for t in (0.9, 0.7, 0.5)]
     return lc + th + [("LLaDA2.1 Quality", quality(block_size=block_size)),
@@ -72,7 +72,7 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
     return models, tok
 
 
-def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2000, tad_steps=300, tad_per_task=400,
+def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, tad_steps=300, tad_per_task=400,
         n_eval=100, device="cpu", tasks=tuple(TASKS)) -> dict:
     t0 = time.time()
     models, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device)
@@ -124,13 +124,16 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2000, 
 
 def add_arguments(p) -> None:
     p.add_argument("--cache", default="runs/dllm_cache", help="folder of the trained tiny models")
-    p.add_argument("--train-steps", type=int, default=2000)
+    p.add_argument("--train-steps", type=int, default=2500)
     p.add_argument("--tad-steps", type=int, default=300)
     p.add_argument("--tad-per-task", type=int, default=400)
     p.add_argument("--n-eval", type=int, default=100)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
 def main(args) -> None:
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
         tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device)

@@ -143,11 +143,9 @@ class DiffusionDecoder:
         spans = [self._bounds(s) for s in seqs]
         if self.cfg.use_cache:
             segs = [s.ids[s.cache.length:end] for s, (_, end) in zip(seqs, spans)]
-            attn = BlockCacheAttention([s.cache for s in seqs], [len(x) for x in segs],
-                                       [start - s.cache.length for s, (start, _) in zip(seqs, spans)],
-                                       self.block_size)
+            offsets = [start - s.cache.length for s, (start, _) in zip(seqs, spans)]   # = tokens to write
+            attn = BlockCacheAttention([s.cache for s in seqs], [len(x) for x in segs], offsets, self.block_size)
             positions = attn.positions(self.model.device)
-            offsets = [start - s.cache.length for s, (start, _) in zip(seqs, spans)]
         else:
             segs = [s.ids[:end] for s, (_, end) in zip(seqs, spans)]
             attn = BlockDiffusionAttention.from_lengths([len(x) for x in segs], self.block_size, self.model.device)
@@ -155,10 +153,11 @@ class DiffusionDecoder:
         hidden = self.model(torch.cat(segs), attn, positions=positions).hidden
         if self.cfg.use_cache:
             attn.finish()
-        starts = torch.tensor([len(x) for x in segs], device=hidden.device).cumsum(0) - torch.tensor(
-            [len(x) for x in segs], device=hidden.device)
-        rows = torch.cat([torch.arange(int(b) + o, int(b) + len(x), device=hidden.device)
-                          for b, o, x in zip(starts, offsets, segs)])
+        rows, seg_start = [], 0
+        for seg, offset, (start, end) in zip(segs, offsets, spans):
+            rows.append(torch.arange(seg_start + offset, seg_start + offset + end - start, device=hidden.device))
+            seg_start += len(seg)
+        rows = torch.cat(rows)
         logits = self.model.logits(hidden[rows]).float()
         logits[:, self.mask_id] = float("-inf")
         conf, pred = logits.softmax(-1).max(-1)

@@ -53,7 +53,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, attn, state=None, ids=None):
         h = self.input_layernorm(x)
         if self.is_linear and getattr(attn, "parents", None) is not None:
-            h, state = tree_gated_deltanet(self.linear_attn, h, linear_plan_for(attn, self.linear_attn.chunk_size)), None
+            plan = linear_plan_for(attn, self.linear_attn.chunk_size)
+            h, state = tree_gated_deltanet(self.linear_attn, h, plan, state), None
         elif self.is_linear:
             if attn.cu_seqlens is None:
                 raise ValueError(f"{type(attn).__name__} gives no sequence boundaries, which "

@@ -156,8 +156,11 @@ def plan_linear(parents: list[int], chunk_size: int, replay: bool = True, seg: S
     return LinearPlan(calls, n, replayed)
 
 
-def tree_gated_deltanet(layer, x: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
-    """Run a GatedDeltaNet layer over tree tokens x [T, hidden] by the plan → y [T, hidden]."""
+def tree_gated_deltanet(layer, x: torch.Tensor, plan: LinearPlan, state: LinearState | None = None) -> torch.Tensor:
+    """Run a GatedDeltaNet layer over tree tokens x [T, hidden] by the plan → y [T, hidden].
+    Every root starts from the zero state (a tree batch holds whole trajectories)."""
+    if state is not None:
+        raise ValueError("tree batches start every root from the zero state; pass states=None")
     states: list[LinearState] = []
     outs, dest = [], []
     for call in plan.calls:

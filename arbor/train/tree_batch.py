@@ -5,7 +5,7 @@ Input: per group, a list of trajectories, each a list of token ids (optionally w
 expert ids [num_moe_layers, len, k] recorded by the engine). The trie merges trajectories on
 equal token prefixes, so each shared prefix appears once ("compact tokens").
 
-Invariants of a ``TreeRow``:
+A ``TreeBatch`` is one packed row (one forward). Its invariants:
 
 - layout is depth-first per tree, trees one after another: ``parents[i] < i`` (−1 = root), and
   a token with a single child is followed by that child, so every fork-free run is contiguous;
@@ -93,8 +93,10 @@ def build_tree(trajectories: list[list[int]]) -> Tree:
 
 
 @dataclass
-class TreeRow:
-    """Several trees packed in one forward (see module docstring for the invariants)."""
+class TreeBatch:
+    """Several trees packed in one row, one forward (see module docstring for the invariants).
+    Per-token training fields (loss masks, old / inference log-probs, advantages) stay in each
+    trajectory's own layout; ``traj_index`` maps between the two."""
 
     tokens: torch.Tensor            # [T] int64
     parents: torch.Tensor           # [T] int64
@@ -112,13 +114,13 @@ class TreeRow:
     def total_tokens(self) -> int:
         return int(self.multiplicity.sum())
 
-    def to(self, device) -> "TreeRow":
+    def to(self, device) -> "TreeBatch":
         mv = lambda t: None if t is None else t.to(device)
-        return TreeRow(mv(self.tokens), mv(self.parents), mv(self.positions), mv(self.multiplicity),
+        return TreeBatch(mv(self.tokens), mv(self.parents), mv(self.positions), mv(self.multiplicity),
                        self.traj_ids, [mv(t) for t in self.traj_index], mv(self.routed_experts))
 
 
-def pack_row(trees: list[Tree], traj_ids: list[list[int]], routed: list[list[torch.Tensor]] | None = None) -> TreeRow:
+def pack_row(trees: list[Tree], traj_ids: list[list[int]], routed: list[list[torch.Tensor]] | None = None) -> TreeBatch:
     """Concatenate trees into one row; traj_ids[t][j] is the global id of tree t's path j;
     routed[t][j] (optional) that trajectory's expert ids [num_moe_layers, L_j, k]."""
     tokens, parents, mult, depth, ids, index = [], [], [], [], [], []
@@ -132,7 +134,7 @@ def pack_row(trees: list[Tree], traj_ids: list[list[int]], routed: list[list[tor
         ids += traj_ids[t]
         index += [torch.tensor(path, dtype=torch.long) + off for path in tree.paths]
     long = lambda x: torch.tensor(x, dtype=torch.long)
-    row = TreeRow(long(tokens), long(parents), long(depth), long(mult), ids, index)
+    row = TreeBatch(long(tokens), long(parents), long(depth), long(mult), ids, index)
     if routed is not None:
         flat = [r for per_tree in routed for r in per_tree]
         first = flat[0]
@@ -147,7 +149,7 @@ def pack_row(trees: list[Tree], traj_ids: list[list[int]], routed: list[list[tor
 
 
 def build_rows(groups: list[list[list[int]]], token_cap: int = 8192,
-               routed: list[list[torch.Tensor]] | None = None) -> tuple[list[TreeRow], int]:
+               routed: list[list[torch.Tensor]] | None = None) -> tuple[list[TreeBatch], int]:
     """groups[g] = trajectories (token lists) of group g; trajectories are numbered globally in
     order. routed (optional) mirrors groups with per-trajectory expert ids. → (rows, number of
     trajectories). A shared prefix routes identically in every trajectory (deterministic
@@ -161,3 +163,20 @@ def build_rows(groups: list[list[list[int]]], token_cap: int = 8192,
     rows = [pack_row([trees[i] for i in b], [ids[i] for i in b],
                      None if routed is None else [routed[i] for i in b]) for b in bins]
     return rows, n
+
+
+def group_trajectories(trajectories) -> list[list[list[int]]]:
+    """Objects with ``.tokens`` and ``.group`` (e.g. ``rollout.Trajectory``), each group's
+    trajectories contiguous → groups of token lists, in input order (so the global trajectory
+    numbering of ``build_rows`` is the input order)."""
+    groups: list[list[list[int]]] = []
+    seen, last = set(), object()
+    for t in trajectories:
+        if t.group != last:
+            if t.group in seen:
+                raise ValueError(f"trajectories of group {t.group} are not contiguous")
+            seen.add(t.group)
+            groups.append([])
+            last = t.group
+        groups[-1].append(list(t.tokens))
+    return groups

@@ -27,7 +27,7 @@ from arbor.models.attention import _sdpa
 from arbor.models.tree_linear import Segments, segment_depths, tree_segments
 from arbor.train.logprobs import gather_logprobs, packed_logprobs
 from arbor.train.packing import pack_by_tokens
-from arbor.train.tree_batch import TreeConfig, TreeRow, build_rows
+from arbor.train.tree_batch import TreeBatch, TreeConfig, build_rows
 
 
 @dataclass
@@ -74,7 +74,7 @@ class SegmentTreeAttention:
         return torch.cat(outs)
 
 
-def row_attention(row: TreeRow, cfg: TreeConfig):
+def row_attention(row: TreeBatch, cfg: TreeConfig):
     parents = row.parents
     if cfg.attention == "dense":
         attn = TreeAttention(parents)
@@ -90,7 +90,7 @@ class RowOutput:
     routed_experts: torch.Tensor | None  # [num_moe_layers, T, k] when asked
 
 
-def row_logprobs(model, row: TreeRow, cfg: TreeConfig = TreeConfig(), replay_routing: bool = True,
+def row_logprobs(model, row: TreeBatch, cfg: TreeConfig = TreeConfig(), replay_routing: bool = True,
                  return_routing: bool = False) -> RowOutput:
     """Forward one tree row. replay_routing: force the row's recorded expert ids if it has any."""
     row = row.to(model.device)
@@ -102,7 +102,7 @@ def row_logprobs(model, row: TreeRow, cfg: TreeConfig = TreeConfig(), replay_rou
     return RowOutput(logp, [logp[idx] for idx in row.traj_index], out.routed_experts)
 
 
-def tree_logprobs(model, rows: list[TreeRow], num_trajectories: int, cfg: TreeConfig = TreeConfig()) -> list[torch.Tensor]:
+def tree_logprobs(model, rows: list[TreeBatch], num_trajectories: int, cfg: TreeConfig = TreeConfig()) -> list[torch.Tensor]:
     """Per-trajectory log-probs [L_j] of every trajectory (global order) from tree rows."""
     out: list[torch.Tensor | None] = [None] * num_trajectories
     for row in rows:
@@ -132,7 +132,23 @@ def batch_logprobs(model, groups: list[list[list[int]]], cfg: TreeConfig = TreeC
     return tree_logprobs(model, rows, n, cfg)
 
 
-def compact_weights(row: TreeRow, weights: list[torch.Tensor]) -> torch.Tensor:
+def tree_packed_logprobs(model, seqs: list[list[int]], device=None, routed_experts=None,
+                         cfg: TreeConfig = TreeConfig()):
+    """Drop-in for ``logprobs.packed_logprobs`` computed on one prefix tree of all ``seqs``:
+    → (logp [Σ L_j] float32 in sequence order, 0 at each first token; cu_seqlens [N+1]).
+    routed_experts: [num_moe_layers, Σ L_j, k] in the same packed order, replayed. The forward
+    runs where the model lives (``device`` is accepted for the same signature)."""
+    lengths = [len(s) for s in seqs]
+    routed = None
+    if routed_experts is not None:
+        routed = [list(routed_experts.split(lengths, dim=1))]
+    (row,), _ = build_rows([seqs], cfg.token_cap, routed)  # one group: one tree, one row
+    out = row_logprobs(model, row, cfg)
+    cu = torch.tensor([0] + lengths, device=out.logp.device).cumsum(0)
+    return torch.cat(out.per_trajectory), cu
+
+
+def compact_weights(row: TreeBatch, weights: list[torch.Tensor]) -> torch.Tensor:
     """Per-trajectory token weights (aligned with row.traj_ids) → compact weights W [T]:
     W[i] = Σ of the weights of i over the trajectories through it."""
     out = torch.zeros(row.num_tokens, dtype=torch.float32, device=row.tokens.device)
@@ -141,7 +157,22 @@ def compact_weights(row: TreeRow, weights: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def row_expert_counts(routed: torch.Tensor, row: TreeRow, num_experts: int) -> torch.Tensor:
+def moe_aux_loss(probs: torch.Tensor, ids: torch.Tensor, multiplicity: torch.Tensor) -> torch.Tensor:
+    """Switch-style load-balancing loss with semantic multiplicities, for router probabilities
+    probs [T, E] (float) and routed ids [T, k] of one MoE layer on compact tokens:
+
+        f_e = Σ_i m_i · #{j: ids_ij = e} / (k · Σ_i m_i),   P_e = Σ_i m_i · p_ie / Σ_i m_i,
+        L = E · Σ_e f_e · P_e
+
+    — the value trajectory-wise training gets over all trajectories' tokens."""
+    m = multiplicity.to(probs.dtype)
+    E, k = probs.shape[1], ids.shape[1]
+    f = expert_counts(ids, E, multiplicity).to(probs.dtype) / (k * m.sum())
+    P = (m[:, None] * probs).sum(0) / m.sum()
+    return E * (f * P).sum()
+
+
+def row_expert_counts(routed: torch.Tensor, row: TreeBatch, num_experts: int) -> torch.Tensor:
     """Semantic expert load [num_moe_layers, E]: each compact token counts multiplicity times,
     as trajectory-wise training counts it. Computed from the ids a forward returned, once per
     forward, so recomputation (which re-runs the router) never counts twice."""

@@ -1,0 +1,72 @@
+"""Runs one scheduled batch through the model over the paged KV cache.
+
+Token order of a step: decodes (1 token each) first, then prefill chunks, each sequence's
+tokens contiguous — the order of ``PagedAttention.cu_seqlens`` and of the linear-attention
+states gathered from the ``StateCache``. Returns the float32 logits of the last scheduled token
+of every sequence whose chunk reaches its last token (those sample this step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arbor.engine.paged_attention import KVCache, PagedAttention
+from arbor.engine.sequence import Sequence
+from arbor.engine.state_cache import StateCache
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int, logit_noise: float = 0.0,
+                 seed: int = 0):
+        self.model, cfg = model, model.config
+        self.device = model.device
+        self.layer_map = {i: a for a, i in enumerate(
+            i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
+        self.kv = KVCache(len(self.layer_map), num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                          model.dtype, self.device)
+        self.states = StateCache(model, max_num_seqs, self.device)
+        self.logit_noise = logit_noise
+        self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]], return_routing: bool = False):
+        """→ (seqs that sample, logits [B, V] float32, routing [num_moe_layers, T, k] or None,
+        token offset of each scheduled sequence in the packed batch)."""
+        batch = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
+        seqs = [s for s, _ in batch]
+        lengths = [n for _, n in batch]
+        starts = [s.num_computed_tokens for s in seqs]
+        if all(n == 1 for n in lengths):
+            ids = [s.token_ids[-1] for s in seqs]
+            positions = starts
+        else:
+            ids, positions = [], []
+            for s, c, n in zip(seqs, starts, lengths):
+                ids += s.token_ids[c:c + n]
+                positions += range(c, c + n)
+        dev = self.device
+        attn = PagedAttention.build(self.kv, self.layer_map, [s.block_table for s in seqs], starts, lengths, dev)
+        states = slots = None
+        if self.states:
+            for s in seqs:
+                if s.state_slot is None:
+                    s.state_slot = self.states.take()
+            slots = torch.tensor([s.state_slot for s in seqs], device=dev)
+            states = self.states.gather(slots, len(self.model.model.layers))
+        out = self.model(torch.tensor(ids, device=dev), attn, positions=torch.tensor(positions, device=dev),
+                         states=states, return_routing=return_routing)
+        if self.states:
+            self.states.scatter(slots, out.states)
+        ends = attn.cu_seqlens[1:].tolist()
+        sample = [i for i, (s, c, n) in enumerate(zip(seqs, starts, lengths)) if c + n == len(s)]
+        last = torch.tensor([ends[i] - 1 for i in sample], device=dev)
+        logits = self.model.logits(out.hidden[last]).float()
+        if self.logit_noise:
+            logits = logits + self.logit_noise * torch.randn(logits.shape, generator=self.noise_generator, device=dev)
+        offsets = [e - n for e, n in zip(ends, lengths)]
+        return batch, [seqs[i] for i in sample], logits, out.routed_experts, offsets
+
+    def release(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None

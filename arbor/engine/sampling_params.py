@@ -1,0 +1,41 @@
+"""Per-request sampling knobs (the vLLM names), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """temperature 0 = greedy. Filters apply to the temperature-scaled distribution in the order
+    top-k → top-p → min-p; ``seed`` gives the request its own ``torch.Generator`` so its tokens do
+    not depend on what else is batched with it (sample j of ``n`` uses ``seed + j``).
+    The engine stops at the model's EOS ids (unless ``ignore_eos``), at ``stop_token_ids`` and
+    at ``stop`` strings (text is cut before the stop string; needs a tokenizer)."""
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int = 0                # top-k log-probs per token (0 = off)
+    return_routed_experts: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [(self.n >= 1, "n", "must be >= 1"), (self.temperature >= 0, "temperature", "must be >= 0"),
+                  (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1"),
+                  (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+                  (self.max_tokens >= 1, "max_tokens", "must be >= 1"), (self.logprobs >= 0, "logprobs", "must be >= 0")]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,137 @@
+"""Continuous batching under a per-step token budget, with pluggable policies.
+
+Every running sequence has ``num_pending_tokens ≥ 1``: 1 for a decode (its last sampled token),
+more for a prompt (or a recomputed sequence) still in prefill. A step schedules, per sequence,
+a number of tokens (a chunk); a sequence samples when its chunk reaches its last token.
+Invariants: Σ chunk ≤ ``max_num_batched_tokens``; running ≤ ``max_num_seqs``; every scheduled
+token has a KV slot. When a decode needs a block and none is free, the newest running sequence
+is preempted by recompute (blocks freed, computed count reset, re-queued at the front).
+
+Policies (``SchedulerPolicy.schedule(scheduler) -> list[(seq, num_tokens)]``):
+- ``prefill-first``: a step is all-prefill (running chunks, then admissions) when any prefill
+  work fits; otherwise all-decode.
+- ``mixed``: decodes first, then prefill chunks and admissions fill the rest of the budget, one forward.
+Later policies (P/D multiplexing, SLO-aware admission) implement the same method.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from arbor.engine.block_manager import BlockManager
+from arbor.engine.sequence import Sequence, SequenceStatus
+
+ScheduledBatch = list[tuple[Sequence, int]]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "mixed", on_free=None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduler policy '{policy}'; choose from {sorted(POLICIES)}")
+        self.bm, self.max_num_seqs, self.budget = block_manager, max_num_seqs, max_num_batched_tokens
+        self.policy = POLICIES[policy]()
+        self.on_free = on_free or (lambda seq: None)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        return self.policy.schedule(self)
+
+    # ---- building blocks for policies ---------------------------------------------------
+    def schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
+        """Add one token for each running decode (oldest first), preempting when blocks run out."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_pending_tokens != 1:
+                i += 1
+                continue
+            while not self.bm.can_append(seq):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.bm.append_slot(seq)
+                batch.append((seq, 1))
+                budget -= 1
+                i += 1
+        return budget
+
+    def schedule_prefills(self, batch: ScheduledBatch, budget: int) -> int:
+        """Continue running prefills, then admit waiting sequences, chunking to the budget."""
+        for seq in self.running:
+            if budget == 0:
+                return 0
+            if seq.num_pending_tokens > 1:  # decodes (pending 1) are scheduled apart
+                n = min(seq.num_pending_tokens, budget)
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            parent = seq.parent
+            if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens and not parent.is_finished:
+                break  # a sibling waits for its parent's prompt KV, then hits the prefix cache
+            if not self.bm.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_pending_tokens, budget)
+            batch.append((seq, n))
+            budget -= n
+        return budget
+
+    def has_prefill_work(self) -> bool:
+        if any(s.num_pending_tokens > 1 for s in self.running):
+            return True
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.bm.can_allocate(self.waiting[0])
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.deallocate(seq)
+        self.on_free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.deallocate(seq)
+            self.on_free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+
+class PrefillFirst:
+    def schedule(self, s: Scheduler) -> ScheduledBatch:
+        batch: ScheduledBatch = []
+        if s.has_prefill_work():
+            s.schedule_prefills(batch, s.budget)
+            if batch:
+                return batch
+        s.schedule_decodes(batch, s.budget)
+        return batch
+
+
+class Mixed:
+    def schedule(self, s: Scheduler) -> ScheduledBatch:
+        batch: ScheduledBatch = []
+        budget = s.schedule_decodes(batch, s.budget)
+        s.schedule_prefills(batch, budget)
+        return batch
+
+
+POLICIES = {"prefill-first": PrefillFirst, "mixed": Mixed}

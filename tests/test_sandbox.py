@@ -1,0 +1,155 @@
+"""Hostile inputs for arbor.rollout.sandbox: each must end in a clear status, leave no live
+process behind, and leave the parent (this pytest process) working and unlimited."""
+
+import asyncio
+import os
+import resource
+
+import pytest
+
+from arbor.rollout.sandbox import SandboxConfig, network_isolation, run_python, run_python_async
+
+FAST = SandboxConfig(timeout_s=2.0)
+MODES = [True, False]   # os_isolation: unshare namespaces when available / the prelude alone
+
+
+def live_in_group(pgid: int) -> list[int]:
+    """Pids of non-zombie processes whose process group is `pgid`."""
+    pids = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(p))
+    return pids
+
+
+def is_live(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ok_stdout_and_stdin():
+    r = run_python("import sys\nprint('hi', sys.stdin.read().upper())", FAST, stdin="abc")
+    assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "hi ABC\n")
+    assert r.as_observation() == "hi ABC\n"
+    assert run_python("x = 1", FAST).as_observation() == "(no output)"
+
+
+def test_syntax_error_and_exception_give_traceback_tail():
+    r = run_python("def f(:\n    pass", FAST)
+    assert r.status == "error" and r.exit_code != 0
+    assert "SyntaxError" in r.as_observation() and r.as_observation().startswith("error:")
+    r = run_python("print('before')\n1 / 0", FAST)
+    assert r.status == "error" and r.stdout == "before\n"
+    assert "ZeroDivisionError" in r.as_observation() and 'File "main.py", line 2' in r.stderr
+    assert "<string>" not in r.stderr    # the prelude's own frame is not shown
+
+
+@pytest.mark.parametrize("os_isolation", MODES)
+def test_infinite_loop_times_out(os_isolation):
+    cfg = SandboxConfig(timeout_s=1.0, os_isolation=os_isolation)
+    r = run_python("while True:\n    pass", cfg)
+    assert r.status == "timeout" and r.wall_s < cfg.timeout_s + 1.0
+    assert r.as_observation() == "timeout after 1s"
+    assert live_in_group(r.pid) == []
+
+
+@pytest.mark.parametrize("os_isolation", MODES)
+def test_fork_bomb_is_contained(os_isolation):
+    cfg = SandboxConfig(timeout_s=2.0, max_processes=16, os_isolation=os_isolation)
+    r = run_python("import os\nwhile True:\n    os.fork()", cfg)
+    assert r.status in ("timeout", "error", "killed")
+    assert r.wall_s < cfg.timeout_s + 1.0
+    assert live_in_group(r.pid) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="escapees are found by the fresh uid a root parent uses")
+@pytest.mark.parametrize("os_isolation", MODES)
+def test_child_that_leaves_the_group_is_killed(os_isolation):
+    code = ("import os, time\nr, w = os.pipe()\npid = os.fork()\nif pid == 0:\n"
+            "    os.setsid()\n    os.write(w, b'x')\n    time.sleep(60)\nos.read(r, 1)\nprint(pid)")
+    r = run_python(code, SandboxConfig(timeout_s=2.0, os_isolation=os_isolation))
+    assert r.status == "ok"
+    if not (os_isolation and network_isolation() == "unshare"):   # else that pid is in a dead PID namespace
+        assert not is_live(int(r.stdout))
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(10**10)",
+                                  "x = []\nwhile True:\n    x.append(' ' * 10**6)"])
+def test_memory_hog(code):
+    r = run_python(code, SandboxConfig(timeout_s=3.0, memory_mb=256))
+    assert r.status == "memory", (r.status, r.stderr[-300:])
+    assert "MemoryError" in r.as_observation()
+
+
+@pytest.mark.parametrize("stream", ["sys.stdout", "sys.stderr"])
+def test_huge_output_is_capped_and_killed_early(stream):
+    cfg = SandboxConfig(timeout_s=3.0, max_output_bytes=4096)
+    r = run_python(f"import sys\nwhile True:\n    print('x' * 1000, file={stream})", cfg)
+    assert r.status == "output_limit" and r.wall_s < 1.5
+    marker = "\n[output truncated at 4096 bytes]"
+    text = r.stdout if stream == "sys.stdout" else r.stderr
+    assert text.endswith(marker) and len(text.encode()) <= 4096 + len(marker)
+    assert "output limit" in r.as_observation()
+
+
+@pytest.mark.parametrize("code", ['import socket\nsocket.create_connection(("127.0.0.1", 9))',
+                                  "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_STREAM)",
+                                  "import _socket\n_socket.socket()",
+                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9')"])
+def test_network_is_disabled(code):
+    r = run_python(code, FAST)
+    assert r.status == "error" and "network disabled in sandbox" in r.as_observation()
+
+
+def test_os_network_isolation_when_available():
+    assert network_isolation() in ("unshare", "prelude")
+    r = run_python("import socket\nprint(len(socket.if_nameindex()))", FAST)
+    assert r.network == network_isolation()
+    if r.network == "unshare":
+        assert r.stdout == "1\n"        # loopback only
+
+
+def test_clean_env_fixed_hash_seed_and_deleted_workdir():
+    code = "import os, sys\nprint(hash('arbor'))\nprint(sorted(os.environ))\nprint(os.getcwd())\nprint('' in sys.path)"
+    a, b = run_python(code, FAST), run_python(code, FAST)
+    assert a.status == b.status == "ok"
+    hash_a, env, cwd, empty_in_path = a.stdout.splitlines()
+    assert hash_a == b.stdout.splitlines()[0]
+    assert set(eval(env)) <= {"PATH", "PYTHONHASHSEED", "LC_CTYPE"} and empty_in_path == "False"
+    assert not os.path.exists(cwd)
+
+
+def test_concurrent_async_runs():
+    async def main():
+        return await asyncio.gather(*(run_python_async(f"import time\ntime.sleep(0.2)\nprint({i} * {i})", FAST)
+                                      for i in range(8)))
+    results = asyncio.run(main())
+    assert [r.status for r in results] == ["ok"] * 8
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(8)]
+
+
+def test_sync_api_inside_a_running_loop():
+    async def main():
+        return run_python("print(7)", FAST)
+    assert asyncio.run(main()).stdout == "7\n"
+
+
+def test_parent_is_unaffected():
+    limits = [resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)]
+    hostile = ["import sys\nsys.exit(3)", "raise SystemExit('bye')"]
+    if os.geteuid() == 0:   # a non-root parent shares its uid with prelude-only runs, which could kill it
+        hostile.append("import os\nos.kill(os.getppid(), 9)")
+    for code in hostile:
+        r = run_python(code, FAST)
+        assert r.status in ("error", "ok", "killed")
+    assert run_python("import sys\nsys.exit(3)", FAST).exit_code == 3
+    assert [resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)] == limits
+    assert run_python("print(sum(range(10)))", FAST).stdout == "45\n"

@@ -1,0 +1,17 @@
+"""``arbor bench tree`` runs end to end on a tiny setting and writes JSON + PNG."""
+
+import json
+
+from arbor.bench import tree
+
+
+def test_bench_tree_smoke(tmp_path):
+    result = tree.run(out_dir=tmp_path, trees=1, prompt=16, turns=1, repeats=1, kinds=("hybrid",), threads=1)
+    stats = result["trees"]
+    assert stats["total_tokens"] > stats["compact_tokens"] and abs(
+        stats["ideal_speedup"] - stats["total_tokens"] / stats["compact_tokens"]) < 1e-12
+    for key in ("hybrid", "hybrid+recompute"):
+        s = result["systems"][key]
+        assert s["speedup"] > 0 and s["memory_bytes"]["tree"] > 0
+    assert json.loads((tmp_path / "tree.json").read_text())["benchmark"] == "tree"
+    assert (tmp_path / "tree.png").stat().st_size > 0
