@@ -59,7 +59,7 @@ class ModelRunner:
             self.states.scatter(slots, out.states)
         ends = attn.cu_seqlens[1:].tolist()
         sample = [i for i, (s, c, n) in enumerate(zip(seqs, starts, lengths)) if c + n == len(s)]
-        last = torch.tensor([ends[i] - 1 for i in sample], device=dev)
+        last = torch.tensor([ends[i] - 1 for i in sample], dtype=torch.long, device=dev)
         logits = self.model.logits(out.hidden[last]).float()
         if self.logit_noise:
             logits = logits + self.logit_noise * torch.randn(logits.shape, generator=self.noise_generator, device=dev)

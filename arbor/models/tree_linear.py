@@ -110,7 +110,7 @@ class LinearPlan:
 
 def plan_linear(parents: list[int], chunk_size: int, replay: bool = True, seg: Segments | None = None) -> LinearPlan:
     """Schedule the tree's tokens into one call per segment level (see module docstring)."""
-    seg = seg or tree_segments(parents)
+    seg = tree_segments(parents) if seg is None else seg
     n, C = len(parents), chunk_size
 
     def tokens_at(s: int, lo: int, hi: int) -> list[int]:
@@ -195,5 +195,8 @@ def linear_plan_for(attn, chunk_size: int) -> LinearPlan:
     replay = getattr(attn, "linear_replay", True)
     key = (chunk_size, replay)
     if key not in cache:
-        cache[key] = plan_linear(attn.parents.tolist(), chunk_size, replay, getattr(attn, "segments", None))
+        plan = plan_linear(attn.parents.tolist(), chunk_size, replay, getattr(attn, "segments", None))
+        for call in plan.calls:  # index once on the tokens' device, not once per layer
+            call.index, call.own = call.index.to(attn.parents.device), call.own.to(attn.parents.device)
+        cache[key] = plan
     return cache[key]

@@ -34,6 +34,7 @@ class RolloutConfig:
     top_p: float = 1.0
     branch: list[int] = field(default_factory=lambda: [4])
     seed: int = 0
+    end_on_truncation: bool = True   # a model turn cut at max_turn_tokens (no end-of-turn) ends the episode
 
 
 @dataclass
@@ -105,7 +106,8 @@ class Collector:
         node = Node(part, text=text)
         ep.node.children.append(node)
         obs, reward, done = await ep.env.step(text)
-        truncated = finish == "length" and part.tokens[-1:] != [self.tok.eos_token_id]
+        truncated = (self.cfg.end_on_truncation and finish == "length"
+                     and part.tokens[-1:] != [self.tok.eos_token_id])
         env_ids = [] if done else env_turn_ids(self.tok, obs)
         if done or truncated or len(ep.prefix) + len(part.tokens) + len(env_ids) >= self.cfg.max_context:
             node.reward = reward if done else float(ep.env.verify(text))

@@ -2,9 +2,9 @@
 
 Problem i asks for ``length_i`` repetitions of one letter; ``length_i`` is drawn from a
 Pareto-like tail (most short, a few very long), and the episode's turn is generated with
-exactly that many tokens (``max_turn_tokens = length_i``, EOS ignored). The reward is the
-fraction of generated characters equal to the asked letter, which a policy learns quickly
-from random init: a dense, verifiable signal whose rollout cost has a long tail.
+exactly that many tokens (``max_turn_tokens = length_i``, EOS ignored). The reward per
+character is ½·[c ∈ a…j] + ½·[c = asked letter], averaged over the output: dense and
+verifiable, so a policy learns it from random init, while its rollout cost has a long tail.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def generate_problems(n: int, seed: int, split: str = "train", min_len: int = 8,
 
 
 def score(problem: LongTailProblem, text: str) -> float:
-    return sum(c == problem.letter for c in text) / max(1, len(text))
+    return sum(0.5 * (c in LETTERS) + 0.5 * (c == problem.letter) for c in text) / max(1, len(text))
 
 
 class LongTailEnvironment:

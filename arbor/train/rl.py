@@ -30,6 +30,8 @@ from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
 from arbor.train.packing import pack_by_tokens
 from arbor.train.logprobs import packed_logprobs
+from arbor.train.tree_batch import build_tree
+from arbor.train.tree_forward import tree_packed_logprobs
 
 
 @dataclass
@@ -58,7 +60,7 @@ class RLConfig:
     eval_problems: int = 64
     checkpoint_every: int = 5
     resume: bool = True
-    tree: bool = True
+    tree: bool = True            # train each group as one prefix tree (HARTS); false: trajectory-wise
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
@@ -99,15 +101,30 @@ class RLTrainer:
         return await self.collector.run_iteration(pool, self.step)
 
     # ---- train --------------------------------------------------------------------------
-    def micro_batches(self, trajs):
-        return pack_by_tokens([len(t.tokens) for t in trajs], self.cfg.micro_tokens)
+    def micro_batches(self, trajs) -> list[list[int]]:
+        """Trajectory indices per micro-batch, ≤ micro_tokens tokens each. Tree mode keeps a
+        group together and counts its compact tokens (each shared prefix once)."""
+        if not self.cfg.tree:
+            return pack_by_tokens([len(t.tokens) for t in trajs], self.cfg.micro_tokens)
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(trajs):
+            groups.setdefault(t.group, []).append(i)
+        units = list(groups.values())
+        sizes = [build_tree([trajs[i].tokens for i in u]).num_tokens for u in units]
+        return [[i for b in bin_ for i in units[b]] for bin_ in pack_by_tokens(sizes, self.cfg.micro_tokens)]
+
+    def logprobs(self, seqs):
+        """Per-token log-probs, flat in sequence order (tree forward or packed trajectories)."""
+        if self.cfg.tree:
+            return tree_packed_logprobs(self.model, seqs)
+        return packed_logprobs(self.model, seqs)
 
     def recompute_old(self, trajs) -> list[torch.Tensor]:
         """logp_old: the trainer's log-probs at θ_old, per trajectory (no gradient)."""
         out = [None] * len(trajs)
         with torch.no_grad():
             for micro in self.micro_batches(trajs):
-                logp, cu = packed_logprobs(self.model, [trajs[i].tokens for i in micro])
+                logp, cu = self.logprobs([trajs[i].tokens for i in micro])
                 for j, i in enumerate(micro):
                     out[i] = logp[cu[j]:cu[j + 1]]
         return out
@@ -121,7 +138,7 @@ class RLTrainer:
         self.model.train()
         for micro in self.micro_batches(trajs):
             sub = [trajs[i] for i in micro]
-            logp, _ = packed_logprobs(self.model, [t.tokens for t in sub])
+            logp, _ = self.logprobs([t.tokens for t in sub])
             lengths = [len(t.tokens) for t in sub]
             loss, st = policy_loss(
                 logp, torch.cat([logp_old[i] for i in micro]).to(dev),

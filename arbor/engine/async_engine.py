@@ -1,0 +1,94 @@
+"""``AsyncLLMEngine``: many coroutines stream from one engine loop.
+
+The loop is an asyncio task on the caller's event loop: it runs ``LLMEngine.step()`` while
+work is queued (each step is synchronous, so weight updates and aborts always land between
+steps), hands every request's fresh snapshot to its queue, and sleeps when idle. A stream
+closed early (``aclose``, cancellation) aborts its request. A new event loop (another
+``asyncio.run``) gets a new engine task; the engine state carries over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from arbor.engine.config import EngineConfig
+from arbor.engine.llm_engine import LLMEngine
+from arbor.engine.sampling_params import SamplingParams
+from arbor.engine.sequence import Completion
+
+
+class AsyncLLMEngine:
+    def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None):
+        self.engine = LLMEngine(model_or_path, config, tokenizer)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._loop = self._task = self._wake = None
+        self._paused = False
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model.config
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._task is None or self._task.done():
+            self._loop, self._wake = loop, asyncio.Event()
+            self._task = loop.create_task(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        eng = self.engine
+        while True:
+            if self._paused or not eng.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for seq in eng.step():
+                q = self.queues.get(seq.request_id)
+                if q is not None:
+                    q.put_nowait(eng.completion(seq))
+            await asyncio.sleep(0)
+
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+        """Async iterator of ``Completion`` snapshots (cumulative token ids / log-probs), one per
+        new token of each sample (``.index``); ends when every sample has finished."""
+        self._ensure_loop()
+        rid = self.engine.add_request(prompt, params, request_id)
+        q = self.queues[rid] = asyncio.Queue()
+        live = (params or SamplingParams()).n
+        try:
+            while live:
+                out = await q.get()
+                live -= out.finished
+                yield out
+        finally:
+            self.queues.pop(rid, None)
+            if live:
+                self.engine.abort(rid)
+            else:
+                self.engine.requests.pop(rid, None)
+
+    async def generate_all(self, prompt, params: SamplingParams | None = None) -> list[Completion]:
+        """The final completions (one per sample) of one request."""
+        last: dict[int, Completion] = {}
+        async for out in self.generate(prompt, params):
+            last[out.index] = out
+        return [last[i] for i in sorted(last)]
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def update_weights(self, named_tensors) -> float:
+        return self.engine.update_weights(named_tensors)
+
+    def pause(self) -> None:
+        """Stop stepping after the current step (requests stay queued)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        if self._wake is not None:
+            self._wake.set()

@@ -1,0 +1,201 @@
+"""``LLMEngine``: requests in, completions out — scheduler, model runner and sampler in one loop.
+
+``step()`` = schedule → forward → sample → append / stop checks → free finished sequences.
+A request with ``n`` samples becomes n sequences; samples after the first wait until the
+first one's prompt KV is computed, then share it through the prefix cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from itertools import count
+from pathlib import Path
+
+import torch
+
+from arbor.engine.block_manager import BlockManager
+from arbor.engine.config import EngineConfig
+from arbor.engine.model_runner import ModelRunner
+from arbor.engine.paged_attention import KVCache
+from arbor.engine.sampler import Sampler
+from arbor.engine.sampling_params import SamplingParams
+from arbor.engine.scheduler import Scheduler
+from arbor.engine.sequence import Completion, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def _load(model_or_path, cfg: EngineConfig, tokenizer):
+    if isinstance(model_or_path, (str, Path)):
+        from arbor.models import load_model
+        folder = Path(model_or_path)
+        model = load_model(folder, dtype=cfg.torch_dtype, device=cfg.device)
+        if tokenizer is None and (folder / "tokenizer.json").exists():
+            from arbor.models.tokenizer import Tokenizer
+            tokenizer = Tokenizer.load(folder)
+        return model, tokenizer
+    model = model_or_path
+    if model.dtype != cfg.torch_dtype or model.device != torch.device(cfg.device):
+        model = copy.deepcopy(model).to(dtype=cfg.torch_dtype, device=cfg.device)
+    return model.eval(), tokenizer
+
+
+class LLMEngine:
+    def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None):
+        """A module in the engine's dtype and device is served as is (weight updates then move
+        nothing); otherwise the engine keeps its own converted copy."""
+        self.config = cfg = config or EngineConfig()
+        self.model, self.tokenizer = _load(model_or_path, cfg, tokenizer)
+        mc = self.model.config
+        has_linear = "linear_attention" in mc.layer_types
+        n_attn = sum(t == "full_attention" for t in mc.layer_types)
+        per_block = KVCache.bytes_per_block(n_attn, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
+                                            cfg.torch_dtype)
+        num_blocks = cfg.resolve_num_blocks(per_block)
+        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings, num_blocks * cfg.block_size)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and not has_linear)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,
+                                   on_free=self.runner.release)
+        self.sampler = Sampler(cfg.seed)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._ids = count()
+        self.num_steps = 0
+
+    # ---- requests -----------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or a model folder with tokenizer.json")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt (token ids or text); → request id. Raises ValueError on a bad request."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got one out of range")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= set(self.model.config.stop_token_ids)
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        seqs, first = [], None
+        for j in range(params.n):
+            seq = Sequence(request_id, j, ids, params, frozenset(stop), max_tokens, parent=first)
+            first = first or seq
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = seqs
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                seq.finish_time = time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One forward; → the sequences that got a token this step (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        routing = any(s.params.return_routed_experts for s, _ in batch)
+        batch, sampled, logits, routed, offsets = self.runner.run(batch, routing)
+        if routed is not None:
+            for (seq, n), off in zip(batch, offsets):
+                if seq.params.return_routed_experts:
+                    seq.record_routing(seq.num_computed_tokens, routed[:, off:off + n].cpu())
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        if not sampled:
+            self.num_steps += 1
+            return []
+        tokens, logprobs, tops = self.sampler(logits, sampled)
+        for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops):
+            seq.append(tok, lp, top)
+            reason = seq.check_stop() or self._check_stop_strings(seq)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                seq.finish_time = time.perf_counter()
+        self.num_steps += 1
+        return sampled
+
+    def _check_stop_strings(self, seq: Sequence) -> str | None:
+        if not seq.params.stop:
+            return None
+        text = self.tokenizer.decode(seq.output_ids)
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        if not hits:
+            return None
+        seq.text_end = min(hits)
+        return "stop"
+
+    def completion(self, seq: Sequence) -> Completion:
+        return seq.completion(self.tokenizer)
+
+    def pop_finished(self, request_id: str) -> list[Completion] | None:
+        seqs = self.requests.get(request_id)
+        if seqs is None or not all(s.is_finished for s in seqs):
+            return None
+        del self.requests[request_id]
+        return [self.completion(s) for s in seqs]
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool | None = None) -> list[Completion]:
+        """→ completions in prompt order (the n samples of a prompt consecutive)."""
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if self.config.progress if progress is None else progress:
+            from tqdm import tqdm
+            bar = tqdm(total=sum(sp.n for sp in params), desc="generate", unit="seq")
+        while self.has_unfinished():
+            for seq in self.step():
+                if bar is not None and seq.is_finished:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [c for rid in ids for c in self.pop_finished(rid)]
+
+    # ---- weights ------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors) -> float:
+        """Copy (HF-named) tensors into the served parameters in place, between steps; the
+        prefix cache is dropped (its KV belongs to the old weights). → seconds taken."""
+        t0 = time.perf_counter()
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        params = self.model.state_dict()
+        for name, tensor in items:
+            if name not in params:
+                raise KeyError(f"update_weights: unknown parameter '{name}'")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            if p.data_ptr() != tensor.data_ptr():
+                p.copy_(tensor)
+        self.block_manager.reset_prefix_cache()
+        dt = time.perf_counter() - t0
+        log.info("update_weights: %.3f s", dt)
+        return dt
