@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine"]
 
 
 def add_bench(sub) -> None:
@@ -141,8 +141,16 @@ def _threshold_or_none(text: str):
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate completions of prompts from a checkpoint")
     p.add_argument("model", help="HF-layout checkpoint folder")
-    p.add_argument("prompts", nargs="+")
+    p.add_argument("prompts", nargs="*")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable; same as positional)")
     p.add_argument("--device", default="cpu")
+    a = p.add_argument_group("autoregressive (arbor.engine.LLMEngine)")
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    a.add_argument("--top-p", type=float, default=1.0)
+    a.add_argument("--seed", type=int)
+    a.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     d = p.add_argument_group("block diffusion (the default for block-diffusion checkpoints)")
     d.add_argument("--diffusion", action="store_true", help="decode with arbor.engine.diffusion")
     d.add_argument("--mode", choices=["quality", "speed"], default="quality", help="LLaDA2.1 preset")
@@ -159,9 +167,46 @@ def add_generate(sub) -> None:
 
 def _run_generate(a) -> None:
     from arbor.models import ModelConfig
+    a.prompts = a.prompts + a.prompt
+    if not a.prompts:
+        raise ValueError("give at least one prompt (positional or --prompt)")
     if a.diffusion or ModelConfig.from_file(a.model).is_block_diffusion:
         return _run_diffusion_generate(a)
-    raise ValueError("generate serves block-diffusion checkpoints here; pass one (or --diffusion)")
+    return _run_engine_generate(a)
+
+
+def _run_engine_generate(a) -> None:
+    from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+    engine = LLMEngine(a.model, EngineConfig(dtype=a.dtype, device=a.device))
+    if engine.tokenizer is None:
+        raise ValueError(f"{a.model} has no tokenizer.json; text prompts need one")
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               if a.chat else p for p in a.prompts]
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    for prompt, c in zip(a.prompts, engine.generate(prompts, params)):
+        print(f"{prompt}{c.text}\t[{len(c.token_ids)} tokens, {c.finish_reason}, {c.latency:.2f} s]")
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    p.add_argument("model", help="HF-layout checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--policy", default="mixed", choices=["mixed", "prefill-first"])
+    p.add_argument("--served-model-name", help="default: the folder name")
+
+    def run(a):
+        from arbor.engine import EngineConfig
+        from arbor.engine.server import serve
+        cfg = EngineConfig(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                           max_num_seqs=a.max_num_seqs, policy=a.policy)
+        serve(a.model, a.host, a.port, cfg, a.served_model_name)
+
+    p.set_defaults(func=run)
 
 
 def _run_diffusion_generate(a) -> None:
@@ -179,7 +224,7 @@ def _run_diffusion_generate(a) -> None:
         print(f"{prompt}{text}\t[{r.num_tokens} tokens, {r.forwards} forwards, TPF {r.tpf:.2f}, {r.edits} edits]")
 
 
-SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate]
+SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

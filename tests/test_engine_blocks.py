@@ -1,5 +1,6 @@
 """Block manager (prefix caching, ref counts, reuse) and scheduler (budget, policies) invariants."""
 
+import pytest
 import torch
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
@@ -7,6 +8,15 @@ from arbor.engine.block_manager import BlockManager
 from arbor.engine.scheduler import Scheduler
 from arbor.engine.sequence import Sequence
 from arbor.models import CausalLM, ModelConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core machine run far faster single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def seq(tokens):
@@ -118,6 +128,5 @@ def test_mixed_policy_puts_decodes_and_chunks_in_one_forward():
 
 
 def test_scheduler_rejects_unknown_policy():
-    import pytest
     with pytest.raises(ValueError, match="policy"):
         Scheduler(BlockManager(4, 4), 4, 16, policy="fifo")

@@ -23,9 +23,11 @@ from arbor.engine.diffusion_metrics import aup, tpf
 from arbor.models import load_model, save_model
 from arbor.models.tokenizer import Tokenizer
 from arbor.train.diffusion import TASKS, DiffusionModelConfig, DiffusionTrainConfig, train_from_config
+from arbor.train.optim import OptimConfig
 from arbor.train.distill import QUALITY_DELTA, SPEED_DELTA, TADConfig, distill, teacher_trajectories
 
 SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)
+DATA_VERSION = 2          # bump when a task generator changes, so cached models are retrained
 
 
 def decoders(block_size: int) -> list[tuple[str, DecodeConfig]]:
@@ -34,7 +36,9 @@ def decoders(block_size: int) -> list[tuple[str, DecodeConfig]]:
     th = [(f"threshold τ={t}", DecodeConfig(method="threshold", threshold=t, editing_threshold=None))
           for t in (0.9, 0.7, 0.5)]
     return lc + th + [("LLaDA2.1 Quality", quality(block_size=block_size)),
-                      ("LLaDA2.1 Speed", speed(block_size=block_size))]
+                      ("LLaDA2.1 Speed", speed(block_size=block_size)),
+                      ("Quality, max_post_steps=0", quality(block_size=block_size, max_post_steps=0)),
+                      ("Speed, max_post_steps=0", speed(block_size=block_size, max_post_steps=0))]
 
 
 def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
@@ -51,7 +55,7 @@ def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
 def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int, device: str, log=print):
     """base, TAD-Quality and TAD-Speed models (trained once, then loaded from cache_dir)."""
     cache = Path(cache_dir)
-    base_dir = cache / f"base_s{train_steps}"
+    base_dir = cache / f"v{DATA_VERSION}_base_s{train_steps}"
     if not (base_dir / "config.json").exists():
         cfg = DiffusionTrainConfig(steps=train_steps, batch_size=48, device=device, log_every=250,
                                    model=DiffusionModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3))
@@ -60,19 +64,20 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
     models = {"base": load_model(base_dir, device=device).eval()}
     trajectories = None
     for name, delta in (("TAD-Quality", QUALITY_DELTA), ("TAD-Speed", SPEED_DELTA)):
-        folder = cache / f"{name.lower()}_s{train_steps}_t{tad_steps}_d{delta}"
+        folder = cache / f"v{DATA_VERSION}_{name.lower()}_s{train_steps}_t{tad_steps}_d{delta}"
         if not (folder / "config.json").exists():
             if trajectories is None:
                 trajectories = teacher_trajectories(models["base"], tok, list(TASKS), tad_per_task)
                 log(f"TAD: {len(trajectories)} correct teacher trajectories")
             student = load_model(base_dir, device=device)
-            distill(student, trajectories, TADConfig(delta=delta, steps=tad_steps), teacher=models["base"], on_log=log)
+            tad = TADConfig(delta=delta, steps=tad_steps, optim=OptimConfig(lr=1e-3, warmup_steps=20))
+            distill(student, trajectories, tad, teacher=models["base"], on_log=log)
             save_model(student, folder, tokenizer=tok)
         models[name] = load_model(folder, device=device).eval()
     return models, tok
 
 
-def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, tad_steps=300, tad_per_task=400,
+def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, tad_steps=400, tad_per_task=400,
         n_eval=100, device="cpu", tasks=tuple(TASKS)) -> dict:
     t0 = time.time()
     models, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device)
@@ -125,7 +130,7 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, 
 def add_arguments(p) -> None:
     p.add_argument("--cache", default="runs/dllm_cache", help="folder of the trained tiny models")
     p.add_argument("--train-steps", type=int, default=2500)
-    p.add_argument("--tad-steps", type=int, default=300)
+    p.add_argument("--tad-steps", type=int, default=400)
     p.add_argument("--tad-per-task", type=int, default=400)
     p.add_argument("--n-eval", type=int, default=100)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

@@ -48,17 +48,29 @@ class AsyncLLMEngine:
                 continue
             for seq in eng.step():
                 q = self.queues.get(seq.request_id)
-                if q is not None:
-                    q.put_nowait(eng.completion(seq))
+                if q is not None:  # text only on the final snapshot (decoding every step is O(n²))
+                    q.put_nowait(seq.completion(eng.tokenizer if seq.is_finished else None))
             await asyncio.sleep(0)
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request now (raises ValueError on a bad one); read it with ``stream``."""
+        rid = self.engine.add_request(prompt, params, request_id)
+        self.queues[rid] = asyncio.Queue()
+        return rid
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
         """Async iterator of ``Completion`` snapshots (cumulative token ids / log-probs), one per
-        new token of each sample (``.index``); ends when every sample has finished."""
+        new token of each sample (``.index``); ends when every sample has finished. ``text`` is
+        set on each sample's final snapshot."""
+        rid = self.add_request(prompt, params, request_id)
+        async for out in self.stream(rid):
+            yield out
+
+    async def stream(self, rid: str):
+        """The snapshots of a request queued by ``add_request``."""
         self._ensure_loop()
-        rid = self.engine.add_request(prompt, params, request_id)
-        q = self.queues[rid] = asyncio.Queue()
-        live = (params or SamplingParams()).n
+        q = self.queues[rid]
+        live = self.engine.requests[rid][0].params.n
         try:
             while live:
                 out = await q.get()
@@ -80,6 +92,7 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+        self.queues.pop(request_id, None)
 
     def update_weights(self, named_tensors) -> float:
         return self.engine.update_weights(named_tensors)

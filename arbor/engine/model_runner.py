@@ -1,6 +1,6 @@
 """Runs one scheduled batch through the model over the paged KV cache.
 
-Token order of a step: decodes (1 token each) first, then prefill chunks, each sequence's
+Token order of a step: decodes (1 token each, longest context first) first, then prefill chunks, each sequence's
 tokens contiguous — the order of ``PagedAttention.cu_seqlens`` and of the linear-attention
 states gathered from the ``StateCache``. Returns the float32 logits of the last scheduled token
 of every sequence whose chunk reaches its last token (those sample this step).
@@ -32,7 +32,7 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]], return_routing: bool = False):
         """→ (seqs that sample, logits [B, V] float32, routing [num_moe_layers, T, k] or None,
         token offset of each scheduled sequence in the packed batch)."""
-        batch = sorted(batch, key=lambda item: item[1] != 1)  # stable: decodes first
+        batch = sorted(batch, key=lambda item: (item[1] != 1, -item[0].num_computed_tokens if item[1] == 1 else 0))
         seqs = [s for s, _ in batch]
         lengths = [n for _, n in batch]
         starts = [s.num_computed_tokens for s in seqs]

@@ -5,7 +5,8 @@ at position p of a sequence lives in slot ``block_table[p // bs] · bs + p % bs`
 
 ``PagedAttention`` serves one forward over packed query tokens: the decodes first (one query
 each), then the prefill chunks. ``attend`` writes the new k, v into their slots, then
-- decodes: one batched SDPA over each sequence's gathered context [B, S_max] with a length mask;
+- decodes (sorted by decreasing context): a few batched SDPAs, one per group of similar context
+  lengths, over the gathered context [B_g, S_g] with a length mask;
 - a chunk starting at position c: queries c..c+n−1 see keys 0..c+i (causal); a chunk with
   c = 0 attends over its own k, v without touching the cache.
 All index tensors are built once per step (``build``) and shared by every layer.
@@ -28,10 +29,23 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
+        self._buf = torch.empty(2, 0, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def gather(self, layer: int, slots: torch.Tensor):
+        """(k, v) [len(slots), Hkv, D] of one layer, copied into a reused buffer (valid until the
+        next gather): fresh multi-MB allocations cost more in page faults than the copy itself."""
+        n = slots.shape[0]
+        if self._buf.shape[1] < n:
+            self._buf = torch.empty(2, max(n, 2 * self._buf.shape[1]), *self._buf.shape[2:], dtype=self._buf.dtype,
+                                    device=self._buf.device)
+        k, v = self._buf[0, :n], self._buf[1, :n]
+        torch.index_select(self.k[layer], 0, slots, out=k)
+        torch.index_select(self.v[layer], 0, slots, out=v)
+        return k, v
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):
@@ -51,14 +65,32 @@ class Chunk:
 
 
 @dataclass
+class DecodeGroup:
+    start: int                   # first decode (query token) of the group
+    count: int
+    slots: torch.Tensor          # [count · S] context slots, row-major, padded with slot 0
+    mask: torch.Tensor           # [count, 1, 1, S] True for real context
+
+
+def decode_groups(lengths: list[int], waste: float = 0.7, max_groups: int = 4) -> list[tuple[int, int]]:
+    """Split decodes sorted by decreasing context length into ≤ max_groups runs whose shortest
+    context is ≥ waste × its longest (less padding, few SDPA calls). → [(start, count)]."""
+    groups, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or (lengths[i] < waste * lengths[start] and len(groups) < max_groups - 1):
+            groups.append((start, i - start))
+            start = i
+    return groups
+
+
+@dataclass
 class PagedAttention:
     cache: KVCache
     layer_map: dict[int, int]         # model layer index → KV-cache layer
     slot_mapping: torch.Tensor        # [T] slot of each query token
     cu_seqlens: torch.Tensor          # [N + 1] query-token boundaries (linear-attention layers)
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [B, S_max]
-    decode_mask: torch.Tensor | None   # [B, 1, 1, S_max]
+    decodes: list[DecodeGroup]
     chunks: list[Chunk]
 
     @classmethod
@@ -72,14 +104,18 @@ class PagedAttention:
         nd = 0
         while nd < len(lengths) and lengths[nd] == 1:
             nd += 1
-        decode_slots = decode_mask = None
+        groups = []
         if nd:
-            ctx = torch.tensor([c + 1 for c in starts[:nd]])
-            width = max(len(t) for t in block_tables[:nd])
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables[:nd]])
-            pos = torch.arange(int(ctx.max()))
-            decode_slots = (tables[:, pos // bs] * bs + pos % bs).to(device)
-            decode_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+            ctx = [c + 1 for c in starts[:nd]]
+            if any(a < b for a, b in zip(ctx, ctx[1:])):
+                raise ValueError("decodes must come sorted by decreasing context length")
+            for g0, cnt in decode_groups(ctx):
+                width = -(-ctx[g0] // bs)
+                tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables[g0:g0 + cnt]])
+                pos = torch.arange(ctx[g0])
+                slots_g = (tables[:, pos // bs] * bs + pos % bs).reshape(-1).to(device)
+                mask = (pos[None, :] < torch.tensor(ctx[g0:g0 + cnt])[:, None])[:, None, None, :].to(device)
+                groups.append(DecodeGroup(g0, cnt, slots_g, mask))
         chunks, t = [], nd
         for table, c, n in zip(block_tables[nd:], starts[nd:], lengths[nd:]):
             chunk_slots = mask = None
@@ -90,7 +126,7 @@ class PagedAttention:
             chunks.append(Chunk(t, n, c, chunk_slots, mask))
             t += n
         return cls(cache, layer_map, torch.tensor(slots, device=device), cu_seqlens_from_lengths(lengths, device),
-                   nd, decode_slots, decode_mask, chunks)
+                   nd, groups, chunks)
 
     def attend(self, layer_idx, q, k, v, scale):
         a = self.layer_map[layer_idx]
@@ -98,15 +134,17 @@ class PagedAttention:
         kc.index_copy_(0, self.slot_mapping, k)
         vc.index_copy_(0, self.slot_mapping, v)
         outs = []
-        nd = self.num_decodes
-        if nd:
-            outs.append(_sdpa(q[:nd, None], kc[self.decode_slots], vc[self.decode_slots], scale,
-                              mask=self.decode_mask)[:, 0])
+        for g in self.decodes:
+            keys, values = self.cache.gather(a, g.slots)
+            shape = (g.count, g.slots.shape[0] // g.count, *k.shape[1:])
+            outs.append(_sdpa(q[g.start:g.start + g.count, None], keys.view(shape), values.view(shape), scale,
+                              mask=g.mask)[:, 0])
         for ch in self.chunks:
             qs = q[None, ch.start:ch.start + ch.length]
             if ch.slots is None:
                 ks, vs = k[None, ch.start:ch.start + ch.length], v[None, ch.start:ch.start + ch.length]
                 outs.append(_sdpa(qs, ks, vs, scale, causal=True)[0])
             else:
-                outs.append(_sdpa(qs, kc[ch.slots][None], vc[ch.slots][None], scale, mask=ch.mask)[0])
+                keys, values = self.cache.gather(a, ch.slots)
+                outs.append(_sdpa(qs, keys[None], values[None], scale, mask=ch.mask)[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -121,7 +121,8 @@ class Sequence:
         out = self.output_ids
         text = None
         if tokenizer is not None:
-            text = tokenizer.decode(out)[:self.text_end] if self.text_end is not None else tokenizer.decode(out)
+            shown = out[:-1] if self.finish_reason == "stop" and out and out[-1] in self.stop_ids else out
+            text = tokenizer.decode(shown)[:self.text_end]
         routed = None
         if self.routing is not None:
             routed = self.routing[:, self.num_prompt_tokens:len(self.token_ids)].clone()

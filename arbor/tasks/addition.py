@@ -12,7 +12,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-GEN_LENGTH = 8           # up to 5 digits of the sum, then the stop token (padding)
+GEN_LENGTH = 6           # up to 4 digits of the sum, then the stop token (padding)
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ def split_of(text: str) -> str:
     return "test" if int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 5 == 0 else "train"
 
 
-def generate(n: int, seed: int = 0, split: str = "train", min_digits: int = 2, max_digits: int = 4) -> list[Problem]:
+def generate(n: int, seed: int = 0, split: str = "train", min_digits: int = 1, max_digits: int = 3) -> list[Problem]:
     """``n`` distinct problems a + b of ``split``, each operand with min..max digits."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
