@@ -29,7 +29,8 @@ def test_tasks_generate_verifiable_problems():
     assert not countdown.verify((3, 7, 12), 33, "3*7+11") and not countdown.verify((3, 7, 12), 33, "3*7*12+")
     assert countdown.verify((3, 7, 12), 33, "12+3*7") and countdown.solve((2, 2, 2), 100) is None
     for p in addition.generate(20, seed=0):
-        assert addition.score(p, str(p.a + p.b)) == 1.0 and addition.score(p, str(p.a + p.b + 1)) == 0.0
+        assert addition.score(p, f"{p.a + p.b:04d}") == 1.0 and addition.score(p, f"{p.a + p.b + 1:04d}") == 0.0
+        assert p.prompt == f"add:{p.a:03d}+{p.b:03d}="
     train, test = ({p.prompt for p in addition.generate(200, 0, s)} for s in ("train", "test"))
     assert not train & test
 
@@ -87,7 +88,7 @@ def test_short_training_lowers_the_loss_and_saves_a_loadable_checkpoint(tmp_path
     save_model(model, tmp_path / "m", tokenizer=tok)
     loaded = load_model(tmp_path / "m").eval()
     assert loaded.config.is_block_diffusion and loaded.config.block_size == 8
-    prompts = ["add:12+34=", "add:5+70="]
+    prompts = ["add:012+034=", "add:005+070="]
     a = generate_text(model, tok, prompts, quality(block_size=None, gen_length=8))
     b = generate_text(loaded, tok, prompts, quality(block_size=None, gen_length=8))
     assert [x[1].tokens for x in a] == [x[1].tokens for x in b]
@@ -103,3 +104,7 @@ def test_cli_dllm_train_then_generate(tmp_path, capsys):
                      "--gen-length", "6"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("add:1+2=") and "forwards" in line and "0 edits" in line
+    # an untrained teacher decodes no task correctly, so TAD must refuse rather than train on nothing
+    assert cli_main(["dllm-distill", "--model", str(out), "--out", str(tmp_path / "tad"), "--per-task", "2",
+                     "steps=2", "batch_size=2"]) == 2
+    assert "no correct teacher trajectory" in capsys.readouterr().err

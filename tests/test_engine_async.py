@@ -98,3 +98,26 @@ def test_pause_holds_requests_until_resume():
 
     outs = asyncio.run(main())
     assert len(outs[0].token_ids) == 4 and outs[0].ttft is not None and outs[0].latency >= outs[0].ttft
+
+
+def test_a_failing_step_fails_the_streams_and_the_engine_recovers():
+    model = tiny()
+    engine = AsyncLLMEngine(model, EngineConfig())
+    real = engine.engine.runner.run
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    async def main():
+        engine.engine.runner.run = broken
+        try:
+            await engine.generate_all([1, 2], SamplingParams(max_tokens=3))
+        except RuntimeError as e:
+            assert "boom" in str(e)
+        else:
+            raise AssertionError("the stream should fail")
+        engine.engine.runner.run = real
+        return await engine.generate_all([1, 2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+
+    assert len(asyncio.run(main())[0].token_ids) == 3
+    assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.blocks.__len__()

@@ -27,7 +27,7 @@ from arbor.train.optim import OptimConfig
 from arbor.train.distill import QUALITY_DELTA, SPEED_DELTA, TADConfig, distill, teacher_trajectories
 
 SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)
-DATA_VERSION = 2          # bump when a task generator changes, so cached models are retrained
+DATA_VERSION = 3          # bump when a task generator changes, so cached models are retrained
 
 
 def decoders(block_size: int) -> list[tuple[str, DecodeConfig]]:

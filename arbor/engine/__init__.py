@@ -1,4 +1,10 @@
-"""Inference engine: sequences, KV cache, scheduler, model runner, sampler, block-diffusion decoding."""
+"""Inference engine: sequences, KV cache, scheduler, model runner, sampler, block-diffusion decoding.
+
+Public API: ``LLMEngine(model_or_path, EngineConfig, tokenizer=None)`` with ``generate``,
+``add_request / step / abort``, ``update_weights``; ``AsyncLLMEngine`` (streaming ``generate``,
+``pause / resume``); ``SamplingParams``; ``Completion``. ``arbor.engine.server.build_app`` serves
+an ``AsyncLLMEngine`` over OpenAI-compatible HTTP.
+"""
 
 from arbor.engine.async_engine import AsyncLLMEngine
 from arbor.engine.config import EngineConfig

@@ -46,7 +46,16 @@ class AsyncLLMEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for seq in eng.step():
+            try:
+                updated = eng.step()
+            except Exception as e:  # fail every request rather than leave its stream waiting forever
+                for rid in list(eng.requests):
+                    if rid in self.queues:
+                        self.queues[rid].put_nowait(e)
+                    eng.abort(rid)
+                await asyncio.sleep(0)
+                continue
+            for seq in updated:
                 q = self.queues.get(seq.request_id)
                 if q is not None:  # text only on the final snapshot (decoding every step is O(n²))
                     q.put_nowait(seq.completion(eng.tokenizer if seq.is_finished else None))
@@ -74,6 +83,9 @@ class AsyncLLMEngine:
         try:
             while live:
                 out = await q.get()
+                if isinstance(out, Exception):
+                    live = 0
+                    raise out
                 live -= out.finished
                 yield out
         finally:

@@ -19,7 +19,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int = 256 << 20
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096

@@ -26,7 +26,8 @@ class SequenceStatus(Enum):
 
 @dataclass
 class Completion:
-    """One sample of one request. ``routed_experts`` [num_moe_layers, len(token_ids), k]: row i is
+    """One sample of one request. ``logprobs[i] = log_softmax(logits.float())[token_ids[i]]`` (temperature
+    1, unfiltered; see ``sampler``); ``top_logprobs[i]`` maps the top ids to the same values. ``routed_experts`` [num_moe_layers, len(token_ids), k]: row i is
     the routing of output token i when it was fed back; the last token is never fed, its row is −1.
     ``ttft`` and ``latency`` are seconds from arrival to first token and to finish."""
     request_id: str

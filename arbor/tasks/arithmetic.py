@@ -29,11 +29,7 @@ CALC_MAX_LEN = 200          # calculator rejects longer inputs
 TEST_FRACTION_BUCKETS = 5   # a question is in "test" iff its hash % 5 == 0 (20%)
 _OPS = ("+", "-", "*")
 
-SYSTEM_PROMPT = (
-    "Solve the arithmetic problem one operation at a time. To compute, write "
-    "<tool_call>EXPR</tool_call> with one expression such as 17+25, and the calculator "
-    "replies with its value. When done, reply with \"Answer: N\"."
-)
+SYSTEM_PROMPT = "Compute one step at a time with <tool_call>EXPR</tool_call>, then reply Answer: N."
 
 
 @dataclass(frozen=True)
