@@ -28,11 +28,12 @@ class DemoConfig:
     seed: int = 0
     eval_problems: int = 200
     sft: SFTRunConfig = field(default_factory=lambda: SFTRunConfig(
-        model="tiny", demos=2000, train=SFTConfig(steps=120, batch_tokens=4096, log_every=20)))
+        model="tiny", demos=4000,
+        train=SFTConfig(steps=380, batch_tokens=4096, log_every=50, optim=OptimConfig(lr=3e-3, warmup_steps=20))))
     rl: RLConfig = field(default_factory=lambda: RLConfig(
         steps=30, eval_every=10, checkpoint_every=10,
-        rollout=RolloutConfig(max_turn_tokens=24, max_context=400, temperature=1.0, branch=[4, 2]),
-        optim=OptimConfig(lr=3e-4, warmup_steps=0, min_lr_ratio=1.0),
+        rollout=RolloutConfig(max_turn_tokens=24, max_context=400, temperature=0.7, branch=[4, 2]),
+        optim=OptimConfig(lr=5e-5, warmup_steps=0, min_lr_ratio=1.0),
         c3po=C3POConfig(enabled=True, token_budget=1200, capacity=12, max_age=2)))
 
 
@@ -46,7 +47,7 @@ def demo(cfg: DemoConfig) -> dict:
     t0 = time.time()
     cfg.sft.out, cfg.sft.train.seed = str(out / "sft"), cfg.seed
     print(f"[1/3] SFT: tiny model, {cfg.sft.train.steps} steps on {cfg.sft.demos} calculator demonstrations")
-    model, tok, _ = run_sft(cfg.sft, on_log=lambda r: print(f"  sft step {r['step']:4d}  loss {r['loss']:.3f}"))
+    model, tok, _ = run_sft(cfg.sft, on_log=lambda r: print(f"  sft step {r['step']:4d}  loss {r['loss']:.3f}", flush=True))
     cfg.rl.out, cfg.rl.seed, cfg.rl.model = str(out / "rl"), cfg.seed, cfg.sft.out
     cfg.rl.eval_problems = cfg.eval_problems
     engine, sampling = make_engine(model, tok, cfg.rl.engine_dtype, cfg.rl.device,
@@ -60,7 +61,7 @@ def demo(cfg: DemoConfig) -> dict:
     def on_row(r):
         acc = f"  held-out {r['test_accuracy']:.1%}" if "test_accuracy" in r else ""
         print(f"  rl step {r['step']:3d}  reward {r.get('reward', 0):.2f}  samples {r.get('samples', 0):3d}  "
-              f"masked {r.get('masked_frac', 0):.4f}  sync {r.get('sync_s', 0) * 1e3:.1f}ms{acc}")
+              f"masked {r.get('masked_frac', 0):.4f}  sync {r.get('sync_s', 0) * 1e3:.1f}ms{acc}", flush=True)
 
     history = asyncio.run(trainer.run(on_row))
     after = asyncio.run(trainer.evaluate())
