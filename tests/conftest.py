@@ -44,3 +44,12 @@ def hf_folder(tmp_path, kind):
     model = hf_model(kind)
     model.save_pretrained(tmp_path / kind)
     return model, tmp_path / kind
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops on a shared 2-core machine run far faster single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -7,7 +7,7 @@ from arbor.models.tokenizer import builtin_tokenizer
 from arbor.rollout.chat import env_turn_ids, model_turn_ids, prompt_ids, transcript_ids
 from arbor.rollout.tree import Node, RolloutTree, Segment
 from arbor.tasks import arithmetic as ar
-from arbor.train.packing import pack_by_tokens
+from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.rl import RLConfig
 
 
@@ -63,12 +63,12 @@ def test_tree_trajectories():
         Segment([1, 2], True, [0.0], [0, 0])
 
 
-def test_pack_by_tokens():
+def test_first_fit_decreasing():
     lengths = [5, 9, 3, 12, 4, 7]
-    bins = pack_by_tokens(lengths, 12)
+    bins = first_fit_decreasing(lengths, 12)
     assert sorted(i for b in bins for i in b) == list(range(6))
     assert all(sum(lengths[i] for i in b) <= 12 for b in bins)
-    assert pack_by_tokens([20], 8) == [[0]]
+    assert first_fit_decreasing([20], 8) == [[0]]
 
 
 def test_every_task_demonstration_is_correct_and_env_scores_it():

@@ -11,13 +11,7 @@ from arbor.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from arbor.models import CausalLM, ModelConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core machine run far faster single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny():

@@ -9,13 +9,7 @@ from arbor.models import VarlenAttention, load_model
 from tests.conftest import hf_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core machine run far faster single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 12
 

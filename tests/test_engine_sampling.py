@@ -9,13 +9,7 @@ from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.tokenizer import builtin_tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core machine run far faster single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[(5 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate([4, 19, 35, 9])]
 

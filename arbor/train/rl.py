@@ -28,7 +28,7 @@ from arbor.rollout.collector import Collector, RolloutConfig
 from arbor.train.advantages import group_advantages
 from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
-from arbor.train.packing import pack_by_tokens
+from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.tree_batch import build_tree
 from arbor.train.tree_forward import tree_packed_logprobs
@@ -105,13 +105,13 @@ class RLTrainer:
         """Trajectory indices per micro-batch, ≤ micro_tokens tokens each. Tree mode keeps a
         group together and counts its compact tokens (each shared prefix once)."""
         if not self.cfg.tree:
-            return pack_by_tokens([len(t.tokens) for t in trajs], self.cfg.micro_tokens)
+            return first_fit_decreasing([len(t.tokens) for t in trajs], self.cfg.micro_tokens)
         groups: dict[int, list[int]] = {}
         for i, t in enumerate(trajs):
             groups.setdefault(t.group, []).append(i)
         units = list(groups.values())
         sizes = [build_tree([trajs[i].tokens for i in u]).num_tokens for u in units]
-        return [[i for b in bin_ for i in units[b]] for bin_ in pack_by_tokens(sizes, self.cfg.micro_tokens)]
+        return [[i for b in bin_ for i in units[b]] for bin_ in first_fit_decreasing(sizes, self.cfg.micro_tokens)]
 
     def logprobs(self, seqs):
         """Per-token log-probs, flat in sequence order (tree forward or packed trajectories)."""

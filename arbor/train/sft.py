@@ -14,7 +14,7 @@ import torch
 
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
-from arbor.train.packing import pack_by_tokens
+from arbor.train.tree_plan import first_fit_decreasing
 
 
 @dataclass
@@ -48,7 +48,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
         batch = draw_batch(rng, examples, cfg.batch_tokens)
         n_tokens = sum(sum(examples[i][1]) for i in batch)
         loss_sum = 0.0
-        for micro in pack_by_tokens([len(examples[i][0]) for i in batch], cfg.micro_tokens):
+        for micro in first_fit_decreasing([len(examples[i][0]) for i in batch], cfg.micro_tokens):
             seqs = [examples[batch[j]][0] for j in micro]
             mask = torch.tensor([m for j in micro for m in examples[batch[j]][1]], dtype=torch.float32,
                                 device=model.device)

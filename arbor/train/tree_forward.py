@@ -26,7 +26,7 @@ from arbor.models import TreeAttention, expert_counts
 from arbor.models.attention import _sdpa
 from arbor.models.tree_linear import Segments, segment_depths, tree_segments
 from arbor.train.logprobs import gather_logprobs, packed_logprobs
-from arbor.train.packing import pack_by_tokens
+from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.tree_batch import TreeBatch, TreeConfig, build_rows
 
 
@@ -115,7 +115,7 @@ def trajectory_logprobs(model, trajectories: list[list[int]], token_cap: int = 8
                         routed: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Trajectory-wise reference: packed (VarlenAttention) micro-batches of ≤ token_cap tokens."""
     out: list[torch.Tensor | None] = [None] * len(trajectories)
-    for micro in pack_by_tokens([len(t) for t in trajectories], token_cap):
+    for micro in first_fit_decreasing([len(t) for t in trajectories], token_cap):
         rr = None if routed is None else torch.cat([routed[i] for i in micro], 1).to(model.device)
         logp, cu = packed_logprobs(model, [trajectories[i] for i in micro], routed_experts=rr)
         for i, lp in zip(micro, logp.split(cu.diff().tolist())):
