@@ -9,9 +9,10 @@ SHA-256 hash of the prompt; ``score`` is 1.0 iff the text up to the stop is exac
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
+
+from arbor.tasks.splits import split_of
 
 WIDTH = 3                # operand digits (zero-padded)
 GEN_LENGTH = WIDTH + 3   # WIDTH + 1 digits of the sum, then the stop token (padding)
@@ -25,8 +26,6 @@ class Problem:
     b: int
 
 
-def split_of(text: str) -> str:
-    return "test" if int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 5 == 0 else "train"
 
 
 def generate(n: int, seed: int = 0, split: str = "train", min_digits: int = 1, max_digits: int = 3) -> list[Problem]:

@@ -16,17 +16,17 @@ Invariants:
 from __future__ import annotations
 
 import ast
-import hashlib
 import random
 import re
 from dataclasses import dataclass
+
+from arbor.tasks.splits import split_of
 
 from arbor.rollout.environment import parse_tool_call  # noqa: F401  (re-exported: the task's tool-call syntax)
 
 MAX_VALUE = 10_000          # bound on |intermediate value| of generated problems
 CALC_MAX_ABS = 10**12       # calculator rejects any literal or result beyond this
 CALC_MAX_LEN = 200          # calculator rejects longer inputs
-TEST_FRACTION_BUCKETS = 5   # a question is in "test" iff its hash % 5 == 0 (20%)
 _OPS = ("+", "-", "*")
 
 SYSTEM_PROMPT = "Compute one step at a time with <tool_call>EXPR</tool_call>, then reply Answer: N."
@@ -39,9 +39,6 @@ class ArithmeticProblem:
     steps: tuple[str, ...]  # calculator inputs in order, e.g. ("17+25", "42*3", "126-8")
 
 
-def _split_of(question: str) -> str:
-    h = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big")
-    return "test" if h % TEST_FRACTION_BUCKETS == 0 else "train"
 
 
 def _random_problem(rng: random.Random, n_ops: int, max_operand: int) -> ArithmeticProblem | None:
@@ -79,7 +76,7 @@ def generate_problems(n: int, seed: int, split: str = "train", min_ops: int = 1,
         if len(out) == n:
             break
         p = _random_problem(rng, rng.randint(min_ops, max_ops), max_operand)
-        if p is None or p.question in seen or _split_of(p.question) != split:
+        if p is None or p.question in seen or split_of(p.question) != split:
             continue
         seen.add(p.question)
         out.append(p)

@@ -9,11 +9,12 @@ never calls eval(). Invariants: every generated problem has ``solve(...) == prob
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 import re
 from dataclasses import dataclass
+
+from arbor.tasks.splits import split_of
 
 GEN_LENGTH = 10          # up to 8 characters of expression, then the stop token (padding)
 OPS = "+-*"
@@ -27,8 +28,6 @@ class Problem:
     target: int
 
 
-def split_of(text: str) -> str:
-    return "test" if int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 5 == 0 else "train"
 
 
 def evaluate(tokens: list) -> int:

@@ -18,16 +18,16 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import re
 from dataclasses import dataclass
 
+from arbor.tasks.splits import split_of
+
 from arbor.rollout.environment import ToolEnvironment
 from arbor.rollout.sandbox import SandboxConfig, run_python_async
 
-TEST_FRACTION_BUCKETS = 5   # a question is in "test" iff its hash % 5 == 0 (20%)
 
 SYSTEM_PROMPT = (
     "Solve the problem by writing Python. Put a complete program inside "
@@ -45,9 +45,6 @@ class PythonProblem:
     solution: str = ""  # a reference program that prints `answer`
 
 
-def _split_of(question: str) -> str:
-    h = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big")
-    return "test" if h % TEST_FRACTION_BUCKETS == 0 else "train"
 
 
 _POWER_NAMES = {2: "squares", 3: "cubes", 4: "fourth powers", 5: "fifth powers"}
@@ -121,7 +118,7 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[PythonPro
         if len(out) == n:
             break
         p = rng.choice(FAMILIES)(rng)
-        if p.question in seen or _split_of(p.question) != split:
+        if p.question in seen or split_of(p.question) != split:
             continue
         seen.add(p.question)
         out.append(p)

@@ -11,9 +11,10 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
+
+from arbor.tasks.splits import split_of
 
 GEN_LENGTH = 20          # 16 digits, then the stop token (padding)
 _BASE = [[1, 2, 3, 4], [3, 4, 1, 2], [2, 1, 4, 3], [4, 3, 2, 1]]
@@ -25,8 +26,6 @@ class Problem:
     answer: str          # 16 digits
 
 
-def split_of(text: str) -> str:
-    return "test" if int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 5 == 0 else "train"
 
 
 def _units():

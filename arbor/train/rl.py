@@ -175,11 +175,12 @@ class RLTrainer:
             t2 = time.perf_counter()
             row.update(self.train_on(trajs, logp_old))
             t3 = time.perf_counter()
+            oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
+            row["staleness"] = self.collector.version - oldest   # policy versions behind the one trained
             row["sync_s"] = self.sync_weights()
             row.update(recompute_s=t2 - t1, train_s=t3 - t2)
             rewards = [t.reward for t in trajs]
-            row.update(reward=sum(rewards) / len(rewards), samples=len(trajs),
-                       staleness=max(self.collector.version - 1 - min((v for v in flat(trajs, "versions") if v >= 0), default=0), 0))
+            row.update(reward=sum(rewards) / len(rewards), samples=len(trajs))
         row["rollout_s"] = t1 - t0
         self.step += 1
         return row
