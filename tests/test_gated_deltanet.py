@@ -120,7 +120,7 @@ def test_decode_steps_equal_full():
             ys[i].append(y[j:j + 1])
         state.conv[live], state.recurrent[live] = sub.conv, sub.recurrent
     assert max_diff(torch.cat([torch.cat(y_i) for y_i in ys]), y_full) <= 1e-5
-    assert max_diff(state.conv, s_full.conv) <= 1e-6 and max_diff(state.recurrent, s_full.recurrent) <= 1e-5
+    assert max_diff(state.conv, s_full.conv) <= 4e-6 and max_diff(state.recurrent, s_full.recurrent) <= 1e-5
 
 
 @pytest.mark.parametrize("with_state", [False, True])
