@@ -4,9 +4,11 @@
 at position p of a sequence lives in slot ``block_table[p // bs] · bs + p % bs``.
 
 ``PagedAttention`` serves one forward over packed query tokens: the decodes first (one query
-each), then the prefill chunks. ``attend`` writes the new k, v into their slots, then
+each), then the prefill chunks. ``attend`` writes the new k, v into their slots, then reads
+context back whole blocks at a time (``KVCache.gather_blocks``: one contiguous copy per block,
+the tail of a sequence's last block masked off):
 - decodes (sorted by decreasing context): a few batched SDPAs, one per group of similar context
-  lengths, over the gathered context [B_g, S_g] with a length mask;
+  lengths, over the gathered blocks [B_g, W_g · block_size] with a length mask;
 - a chunk starting at position c: queries c..c+n−1 see keys 0..c+i (causal); a chunk with
   c = 0 attends over its own k, v without touching the cache.
 All index tensors are built once per step (``build``) and shared by every layer.
@@ -35,16 +37,18 @@ class KVCache:
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def gather(self, layer: int, slots: torch.Tensor):
-        """(k, v) [len(slots), Hkv, D] of one layer, copied into a reused buffer (valid until the
-        next gather): fresh multi-MB allocations cost more in page faults than the copy itself."""
-        n = slots.shape[0]
+    def gather_blocks(self, layer: int, blocks: torch.Tensor):
+        """(k, v) [len(blocks) · block_size, Hkv, D] of one layer: the given blocks back to back,
+        copied into a reused buffer (valid until the next call): fresh multi-MB allocations cost
+        more in page faults than the copy itself."""
+        n = blocks.shape[0] * self.block_size
         if self._buf.shape[1] < n:
             self._buf = torch.empty(2, max(n, 2 * self._buf.shape[1]), *self._buf.shape[2:], dtype=self._buf.dtype,
                                     device=self._buf.device)
         k, v = self._buf[0, :n], self._buf[1, :n]
-        torch.index_select(self.k[layer], 0, slots, out=k)
-        torch.index_select(self.v[layer], 0, slots, out=v)
+        shape = (-1, self.block_size, *self.k.shape[2:])
+        torch.index_select(self.k[layer].view(shape), 0, blocks, out=k.view(shape))
+        torch.index_select(self.v[layer].view(shape), 0, blocks, out=v.view(shape))
         return k, v
 
 
@@ -60,16 +64,16 @@ class Chunk:
     start: int                   # first query token in the packed batch
     length: int                  # number of query tokens
     context: int                 # tokens before the chunk (cached or computed earlier)
-    slots: torch.Tensor | None   # [context + length] slots of all keys (None when context == 0)
-    mask: torch.Tensor | None    # [length, context + length] causal
+    blocks: torch.Tensor | None  # [W] blocks holding keys 0..context+length−1 (None when context == 0)
+    mask: torch.Tensor | None    # [length, W · block_size] causal
 
 
 @dataclass
 class DecodeGroup:
     start: int                   # first decode (query token) of the group
     count: int
-    slots: torch.Tensor          # [count · S] context slots, row-major, padded with slot 0
-    mask: torch.Tensor           # [count, 1, 1, S] True for real context
+    blocks: torch.Tensor         # [count · W] block tables, row-major, padded with block 0
+    mask: torch.Tensor           # [count, 1, 1, W · block_size] True for real context
 
 
 def decode_groups(lengths: list[int], waste: float = 0.7, max_groups: int = 4) -> list[tuple[int, int]]:
@@ -111,19 +115,18 @@ class PagedAttention:
                 raise ValueError("decodes must come sorted by decreasing context length")
             for g0, cnt in decode_groups(ctx):
                 width = -(-ctx[g0] // bs)
-                tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables[g0:g0 + cnt]])
-                pos = torch.arange(ctx[g0])
-                slots_g = (tables[:, pos // bs] * bs + pos % bs).reshape(-1).to(device)
+                tables = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[g0:g0 + cnt]]
+                pos = torch.arange(width * bs)
                 mask = (pos[None, :] < torch.tensor(ctx[g0:g0 + cnt])[:, None])[:, None, None, :].to(device)
-                groups.append(DecodeGroup(g0, cnt, slots_g, mask))
+                groups.append(DecodeGroup(g0, cnt, torch.tensor(tables, device=device).view(-1), mask))
         chunks, t = [], nd
         for table, c, n in zip(block_tables[nd:], starts[nd:], lengths[nd:]):
-            chunk_slots = mask = None
+            blocks = mask = None
             if c:
-                pos = torch.arange(c + n)
-                chunk_slots = (torch.tensor(table)[pos // bs] * bs + pos % bs).to(device)
-                mask = (pos[None, :] <= torch.arange(c, c + n)[:, None]).to(device)
-            chunks.append(Chunk(t, n, c, chunk_slots, mask))
+                width = -(-(c + n) // bs)
+                blocks = torch.tensor(table[:width], device=device)
+                mask = (torch.arange(width * bs)[None, :] <= torch.arange(c, c + n)[:, None]).to(device)
+            chunks.append(Chunk(t, n, c, blocks, mask))
             t += n
         return cls(cache, layer_map, torch.tensor(slots, device=device), cu_seqlens_from_lengths(lengths, device),
                    nd, groups, chunks)
@@ -135,16 +138,16 @@ class PagedAttention:
         vc.index_copy_(0, self.slot_mapping, v)
         outs = []
         for g in self.decodes:
-            keys, values = self.cache.gather(a, g.slots)
-            shape = (g.count, g.slots.shape[0] // g.count, *k.shape[1:])
+            keys, values = self.cache.gather_blocks(a, g.blocks)
+            shape = (g.count, -1, *k.shape[1:])
             outs.append(_sdpa(q[g.start:g.start + g.count, None], keys.view(shape), values.view(shape), scale,
                               mask=g.mask)[:, 0])
         for ch in self.chunks:
             qs = q[None, ch.start:ch.start + ch.length]
-            if ch.slots is None:
+            if ch.blocks is None:
                 ks, vs = k[None, ch.start:ch.start + ch.length], v[None, ch.start:ch.start + ch.length]
                 outs.append(_sdpa(qs, ks, vs, scale, causal=True)[0])
             else:
-                keys, values = self.cache.gather(a, ch.slots)
+                keys, values = self.cache.gather_blocks(a, ch.blocks)
                 outs.append(_sdpa(qs, keys[None], values[None], scale, mask=ch.mask)[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
