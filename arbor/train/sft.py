@@ -14,6 +14,7 @@ import torch
 
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.tree_forward import tree_packed_logprobs
 from arbor.train.tree_plan import first_fit_decreasing
 
 
@@ -24,6 +25,7 @@ class SFTConfig:
     micro_tokens: int = 4096
     seed: int = 0
     log_every: int = 20
+    tree: bool = True              # each micro-batch as one prefix tree (shared prompts computed once)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=20))
 
 
@@ -52,7 +54,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
             seqs = [examples[batch[j]][0] for j in micro]
             mask = torch.tensor([m for j in micro for m in examples[batch[j]][1]], dtype=torch.float32,
                                 device=model.device)
-            logp, _ = packed_logprobs(model, seqs)
+            logp, _ = (tree_packed_logprobs if cfg.tree else packed_logprobs)(model, seqs)
             loss = -(logp * mask).sum() / max(1, n_tokens)
             loss.backward()
             loss_sum += float(loss.detach())
@@ -73,7 +75,8 @@ class SFTRunConfig:
     task: str = "arithmetic"
     out: str = "runs/sft"
     demos: int = 2000
-    device: str = "cpu"
+    demo_options: dict = field(default_factory=dict)   # keyword options of the task's demonstration,
+    device: str = "cpu"                                # e.g. {mental_rate = 0.6} for arithmetic
     train: SFTConfig = field(default_factory=SFTConfig)
 
 
@@ -97,7 +100,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None):
     model.to(cfg.device)
     task = get_task(cfg.task)
     problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
-    examples = [transcript_ids(tok, task.demonstration(p)) for p in problems]
+    examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
     history = sft(model, examples, cfg.train, on_log)
     save_model(model, cfg.out, tokenizer=tok)
     (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
