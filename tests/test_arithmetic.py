@@ -109,3 +109,19 @@ def test_demonstration_and_is_correct(train):
     assert is_correct(p, msgs[-1]["content"])
     assert not is_correct(p, f"Answer: {p.answer + 1}")
     assert not is_correct(p, "I don't know")
+
+
+def test_sloppy_solver_answers_short_problems_without_the_tool(train):
+    problems = train[:600]
+    short = [p for p in problems if len(p.steps) <= 2]
+    assert all(len(demonstration(p, mental_rate=1.0)) == 3 for p in short)          # system, user, answer
+    assert all(demonstration(p, mental_rate=1.0) == demonstration(p) for p in problems if len(p.steps) == 3)
+    assert all(demonstration(p, mental_rate=0.0) == demonstration(p) for p in problems)
+    mental = [p for p in problems if len(demonstration(p, mental_rate=0.5)) == 3]
+    assert 0.3 < len(mental) / len(short) < 0.7
+    assert mental == [p for p in problems if len(demonstration(p, mental_rate=0.5)) == 3]  # deterministic
+    assert all(len(demonstration(p, mental_rate=1.0, mental_max_steps=3)) == 3 for p in problems)
+    for p in problems[:50]:
+        assert is_correct(p, demonstration(p, mental_rate=0.5)[-1]["content"])
+    with pytest.raises(ValueError, match="mental_rate"):
+        demonstration(problems[0], mental_rate=1.5)

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import ast
+import hashlib
 import random
 import re
 from dataclasses import dataclass
@@ -157,13 +158,29 @@ def is_correct(problem: ArithmeticProblem, final_text: str) -> bool:
     return parse_answer(final_text) == problem.answer
 
 
-def demonstration(problem: ArithmeticProblem) -> list[dict]:
-    """The ideal solver's chat: system, user(question), then per step an assistant
-    "<tool_call>STEP</tool_call>" turn and a "tool" turn with its value, then "Answer: N"."""
+def demonstration(problem: ArithmeticProblem, mental_rate: float = 0.0, mental_max_steps: int = 2) -> list[dict]:
+    """The solver's chat: system, user(question), then per step an assistant
+    "<tool_call>STEP</tool_call>" turn and a "tool" turn with its value, then "Answer: N".
+
+    ``mental_rate`` > 0 makes the solver answer the way a strong human does: on that fraction of
+    the short problems (at most ``mental_max_steps`` steps) it skips the tool and replies
+    "Answer: N" at once, the steps done in its head (always correctly); longer problems it always
+    works with the tool. Which problems is a pure function of the question, so a demonstration
+    is still deterministic. A student too small for mental arithmetic imitates the shortcut and
+    fails: the gap RL closes in ``make demo``.
+    """
+    if not 0.0 <= mental_rate <= 1.0:
+        raise ValueError(f"mental_rate must be in [0, 1], got {mental_rate}")
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": problem.question}]
-    for step in problem.steps:
+    mental = len(problem.steps) <= mental_max_steps and _unit_hash(problem.question) < mental_rate
+    for step in () if mental else problem.steps:
         messages.append({"role": "assistant", "content": f"<tool_call>{step}</tool_call>"})
         messages.append({"role": "tool", "content": calculator(step)})
     messages.append({"role": "assistant", "content": f"Answer: {problem.answer}"})
     return messages
+
+
+def _unit_hash(text: str) -> float:
+    """A uniform number in [0, 1) from the SHA-256 of ``text``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64
