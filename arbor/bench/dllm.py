@@ -140,7 +140,7 @@ def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
 
 
 def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_STEPS, tad_steps=TAD_STEPS,
-        tad_per_task=TAD_PER_TASK, n_eval=100, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
+        tad_per_task=TAD_PER_TASK, n_eval=300, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
         tad_lr=TAD_LR) -> dict:
     t0 = time.time()
     models, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device, block_size, tad_lr)
@@ -201,7 +201,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tad-steps", type=int, default=TAD_STEPS)
     p.add_argument("--tad-per-task", type=int, default=TAD_PER_TASK)
     p.add_argument("--tad-lr", type=float, default=TAD_LR)
-    p.add_argument("--n-eval", type=int, default=100)
+    p.add_argument("--n-eval", type=int, default=300, help="test problems per task")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
