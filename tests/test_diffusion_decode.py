@@ -103,7 +103,7 @@ def test_speed_mode_edits_whenever_the_prediction_changes_and_counts_edit_steps(
     r = diffusion_generate(model, [prompt], cfg, stop_token_ids=[])[0]
     m2t, post, edits = replay(model, prompt, r, cfg)
     assert edits > 0 and edits == r.edits
-    assert post >= 1 and r.forwards == m2t + post == len(r.trajectory)
+    assert post >= 1 and r.forwards == m2t + post == len(r.trajectory) and r.edit_only_forwards == post
     assert r.tpf == pytest.approx(r.num_tokens / (m2t + post))
 
 
@@ -113,7 +113,7 @@ def test_quality_mode_follows_the_rule_with_its_thresholds():
     cfg = quality(block_size=16, gen_length=12, record=True)
     r = diffusion_generate(model, [prompt], cfg, stop_token_ids=[])[0]
     m2t, post, _ = replay(model, prompt, r, cfg)
-    assert r.forwards == m2t + post
+    assert r.forwards == m2t + post and r.edit_only_forwards == post >= 1
 
 
 def test_editing_off_never_changes_a_decoded_token():
@@ -121,7 +121,7 @@ def test_editing_off_never_changes_a_decoded_token():
     cfg = speed(block_size=4, editing_threshold=None, gen_length=12, record=True)
     results = diffusion_generate(model, PROMPTS, cfg, stop_token_ids=[])
     for r in results:
-        assert r.edits == 0 and r.forwards == len(r.trajectory)
+        assert r.edits == r.edit_only_forwards == 0 and r.forwards == len(r.trajectory)
         for a, b in zip(r.trajectory, r.trajectory[1:]):
             decoded = a != MASK
             assert torch.equal(a[decoded], b[decoded])

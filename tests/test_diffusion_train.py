@@ -29,8 +29,9 @@ def test_tasks_generate_verifiable_problems():
     assert not countdown.verify((3, 7, 12), 33, "3*7+11") and not countdown.verify((3, 7, 12), 33, "3*7*12+")
     assert countdown.verify((3, 7, 12), 33, "12+3*7") and countdown.solve((2, 2, 2), 100) is None
     for p in addition.generate(20, seed=0):
-        assert addition.score(p, f"{p.a + p.b:04d}") == 1.0 and addition.score(p, f"{p.a + p.b + 1:04d}") == 0.0
-        assert p.prompt == f"add:{p.a:03d}+{p.b:03d}="
+        w = addition.WIDTH
+        assert addition.score(p, f"{p.a + p.b:0{w + 1}d}") == 1.0 and addition.score(p, f"{p.a + p.b + 1:0{w + 1}d}") == 0.0
+        assert p.prompt == f"add:{p.a:0{w}d}+{p.b:0{w}d}=" and len(p.answer) < addition.GEN_LENGTH
     train, test = ({p.prompt for p in addition.generate(200, 0, s)} for s in ("train", "test"))
     assert not train & test
 

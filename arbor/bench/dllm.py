@@ -6,7 +6,10 @@ LLaDA low-confidence remasking (fixed steps per block), Fast-dLLM threshold deco
 joint M2T+T2T decoding in Quality and Speed modes. Reports (decoder, threshold) → accuracy, TPF;
 and AUP per model from a threshold sweep (Fast-dLLM rule, τ from 1.0 down; y_max = best accuracy of
 the three models on the task). Targets: TPF(Speed) ≥ 2·TPF(Quality) with accuracy within 5 points;
-AUP(TAD-Speed) ≥ 1.5·AUP(base).
+AUP(TAD-Speed) ≥ 1.5·AUP(base). Each target is printed beside the most any decoder or model could
+reach on the task (see ``evaluate`` and ``targets``), with the forwards per problem split into M2T
+and edit-only steps and the share of first-step confidences in (0.5, 0.7], the only band where the
+Speed and Quality thresholds differ.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import torch
 from arbor.bench.common import print_table, write_result
 from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed
 from arbor.engine.diffusion_metrics import aup, tpf
-from arbor.models import load_model, save_model
+from arbor.models import BlockDiffusionAttention, load_model, save_model
 from arbor.models.tokenizer import Tokenizer
 from arbor.train.diffusion import TASKS, DiffusionModelConfig, DiffusionTrainConfig, train_from_config
 from arbor.train.optim import OptimConfig
 from arbor.train.distill import QUALITY_DELTA, SPEED_DELTA, TADConfig, distill, teacher_trajectories
 
 SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)
-DATA_VERSION = 3          # bump when a task generator changes, so cached models are retrained
+DATA_VERSION = 4          # bump when a task generator changes, so cached models are retrained
+BLOCK_SIZE = 64           # every task's response fits in one block
+TRAIN_STEPS, TAD_STEPS, TAD_PER_TASK, TAD_LR = 2500, 1500, 1000, 1e-3
 
 
 def decoders(block_size: int) -> list[tuple[str, DecodeConfig]]:
@@ -41,55 +46,113 @@ def decoders(block_size: int) -> list[tuple[str, DecodeConfig]]:
                       ("Speed, max_post_steps=0", speed(block_size=block_size, max_post_steps=0))]
 
 
+def blocks_decoded(prompt_len: int, num_tokens: int, gen_length: int, block_size: int) -> int:
+    """Blocks a decoder visits: from the prompt's last block to the block of the first stop token
+    (or of the last response position when there is none)."""
+    last = prompt_len + min(num_tokens, gen_length - 1)
+    return last // block_size - prompt_len // block_size + 1
+
+
 def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
-    """Accuracy (%, mean task score) and TPF of ``cfg`` on ``problems``."""
+    """Accuracy (%, mean task score), TPF and the forward passes per problem of ``cfg`` on ``problems``.
+
+    Every block costs at least one forward, and with editing on at least two (the step that fills its
+    last mask, then one edit-only check), so TPF ≤ ``tpf_ceiling`` = Σ tokens ÷ Σ blocks (editing off)
+    and ≤ ``tpf_ceiling_editing`` = Σ tokens ÷ (2·Σ blocks) (editing on)."""
     mod = TASKS[task]
     cfg = replace(cfg, gen_length=mod.GEN_LENGTH)
-    results = diffusion_generate(model, [tok.encode(p.prompt) for p in problems], cfg, [tok.eos_token_id])
+    B = cfg.block_size or model.config.block_size
+    prompts = [tok.encode(p.prompt) for p in problems]
+    results = diffusion_generate(model, prompts, cfg, [tok.eos_token_id])
     scores = [mod.score(p, tok.decode(r.tokens[:r.num_tokens])) for p, r in zip(problems, results)]
-    return {"accuracy": 100.0 * sum(scores) / len(scores),
+    n, tokens = len(results), sum(r.num_tokens for r in results)
+    blocks = sum(blocks_decoded(len(p), r.num_tokens, mod.GEN_LENGTH, B) for p, r in zip(prompts, results))
+    forwards = sum(r.forwards for r in results)
+    edit_only = sum(r.edit_only_forwards for r in results)
+    return {"accuracy": 100.0 * sum(scores) / n,
             "tpf": tpf([r.num_tokens for r in results], [r.forwards for r in results]),
-            "edits": sum(r.edits for r in results) / len(results)}
+            "edits": sum(r.edits for r in results) / n,
+            "forwards": forwards / n, "m2t_forwards": (forwards - edit_only) / n, "edit_only_forwards": edit_only / n,
+            "blocks": blocks / n, "tpf_ceiling": tokens / blocks, "tpf_ceiling_editing": tokens / (2 * blocks)}
 
 
-def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int, device: str, log=print):
+def first_step_confidence(model, tok, task: str, problems) -> dict:
+    """Shares of the first block's response positions whose confidence max softmax at the block's first
+    forward (everything masked) is ≤ 0.5, in (0.5, 0.7], > 0.7: Speed (τ = 0.5) unmasks the middle band
+    at once and Quality (τ = 0.7) does not, so that band is where their step counts can differ."""
+    mod, B, mask = TASKS[task], model.config.block_size, model.config.mask_token_id
+    seqs, spans = [], []
+    for p in problems:
+        ids = tok.encode(p.prompt)
+        end = min((len(ids) // B + 1) * B, len(ids) + mod.GEN_LENGTH)
+        seqs.append(ids + [mask] * (end - len(ids)))
+        spans.append((len(ids), end))
+    lengths = [len(x) for x in seqs]
+    with torch.no_grad():
+        hidden = model(torch.tensor([t for x in seqs for t in x], device=model.device),
+                       BlockDiffusionAttention.from_lengths(lengths, B, model.device)).hidden
+        logits = model.logits(hidden).float()
+    logits[:, mask] = float("-inf")
+    conf = logits.softmax(-1).max(-1).values
+    offsets = torch.tensor([0] + lengths[:-1]).cumsum(0).tolist()
+    c = torch.cat([conf[o + a:o + b] for o, (a, b) in zip(offsets, spans)])
+    return {"low": float((c <= 0.5).float().mean()), "middle": float(((c > 0.5) & (c <= 0.7)).float().mean()),
+            "high": float((c > 0.7).float().mean())}
+
+
+def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int, device: str, block_size: int,
+                  tad_lr: float = TAD_LR, log=print):
     """base, TAD-Quality and TAD-Speed models (trained once, then loaded from cache_dir)."""
     cache = Path(cache_dir)
-    base_dir = cache / f"v{DATA_VERSION}_base_s{train_steps}"
+    base_dir = cache / f"v{DATA_VERSION}_base_b{block_size}_s{train_steps}"
     if not (base_dir / "config.json").exists():
         cfg = DiffusionTrainConfig(steps=train_steps, batch_size=48, device=device, log_every=250,
-                                   model=DiffusionModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3))
+                                   model=DiffusionModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                                              block_size=block_size))
         train_from_config(cfg, out_dir=base_dir, on_log=log)
     tok = Tokenizer.load(base_dir)
     models = {"base": load_model(base_dir, device=device).eval()}
     trajectories = None
     for name, delta in (("TAD-Quality", QUALITY_DELTA), ("TAD-Speed", SPEED_DELTA)):
-        folder = cache / f"v{DATA_VERSION}_{name.lower()}_s{train_steps}_t{tad_steps}_d{delta}"
+        folder = base_dir.with_name(f"{base_dir.name}_{name.lower()}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}_d{delta}")
         if not (folder / "config.json").exists():
             if trajectories is None:
                 trajectories = teacher_trajectories(models["base"], tok, list(TASKS), tad_per_task)
                 log(f"TAD: {len(trajectories)} correct teacher trajectories")
             student = load_model(base_dir, device=device)
-            tad = TADConfig(delta=delta, steps=tad_steps, optim=OptimConfig(lr=1e-3, warmup_steps=20))
+            tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, optim=OptimConfig(lr=tad_lr, warmup_steps=20))
             distill(student, trajectories, tad, teacher=models["base"], on_log=log)
             save_model(student, folder, tokenizer=tok)
         models[name] = load_model(folder, device=device).eval()
     return models, tok
 
 
-def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, tad_steps=400, tad_per_task=400,
-        n_eval=100, device="cpu", tasks=tuple(TASKS)) -> dict:
+def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
+    """The issue's two targets, each beside the most that any decoder / model could reach here:
+    Speed's TPF is at most its editing ceiling (two forwards per block), and AUP ≤ ρ_max·y_max with
+    ρ_max the sweep's largest TPF ceiling (one forward per block), since y·W(y) ≤ y_max."""
+    rho_max = max(p["tpf_ceiling"] for c in curves.values() for p in c)
+    return {"speed_tpf_over_quality": s["tpf"] / max(q["tpf"], 1e-9),
+            "speed_ceiling_over_quality": s["tpf_ceiling_editing"] / max(q["tpf"], 1e-9),
+            "speed_accuracy_drop": q["accuracy"] - s["accuracy"],
+            "tad_speed_aup_over_base": aups["TAD-Speed"] / max(aups["base"], 1e-9),
+            "aup_ceiling_over_base": rho_max * y_max / max(aups["base"], 1e-9)}
+
+
+def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_STEPS, tad_steps=TAD_STEPS,
+        tad_per_task=TAD_PER_TASK, n_eval=300, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
+        tad_lr=TAD_LR) -> dict:
     t0 = time.time()
-    models, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device)
+    models, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device, block_size, tad_lr)
     B = models["base"].config.block_size
     result = {"config": {"train_steps": train_steps, "tad_steps": tad_steps, "tad_per_task": tad_per_task,
-                         "n_eval": n_eval, "block_size": B, "sweep": SWEEP}, "tasks": {}}
-    rows, aup_rows = [], []
+                         "tad_lr": tad_lr, "n_eval": n_eval, "block_size": B, "sweep": SWEEP}, "tasks": {}}
+    rows, aup_rows, target_rows = [], [], []
     for task in tasks:
         problems = TASKS[task].generate(n_eval, seed=1234, split="test")
         table = {name: evaluate(models["base"], tok, task, problems, cfg) for name, cfg in decoders(B)}
         for name, r in table.items():
-            rows.append([task, name, r["accuracy"], r["tpf"], r["edits"]])
+            rows.append([task, name, r["accuracy"], r["tpf"], r["m2t_forwards"], r["edit_only_forwards"], r["edits"]])
         curves = {m: [evaluate(model, tok, task, problems, DecodeConfig(method="threshold", threshold=t))
                       for t in SWEEP] for m, model in models.items()}
         modes = {m: {mode: evaluate(model, tok, task, problems, cfg(block_size=B)) for mode, cfg in
@@ -97,17 +160,21 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, 
         y_max = max(p["accuracy"] for c in curves.values() for p in c)
         aups = {m: aup([(p["tpf"], p["accuracy"]) for p in c], y_max) for m, c in curves.items()}
         for m in models:
-            aup_rows.append([task, m, aups[m], aups[m] / max(aups["base"], 1e-9), modes[m]["quality"]["accuracy"],
+            aup_rows.append([task, m, round(aups[m]), aups[m] / max(aups["base"], 1e-9), modes[m]["quality"]["accuracy"],
                              modes[m]["quality"]["tpf"], modes[m]["speed"]["accuracy"], modes[m]["speed"]["tpf"]])
-        q, s = table["LLaDA2.1 Quality"], table["LLaDA2.1 Speed"]
-        result["tasks"][task] = {
-            "decoders": table, "sweeps": curves, "modes": modes, "aup": aups, "y_max": y_max,
-            "targets": {"speed_tpf_over_quality": s["tpf"] / max(q["tpf"], 1e-9),
-                        "speed_accuracy_drop": q["accuracy"] - s["accuracy"],
-                        "tad_speed_aup_over_base": aups["TAD-Speed"] / max(aups["base"], 1e-9)}}
-    print_table("base model: decoder → accuracy (%), TPF", ["task", "decoder", "accuracy", "TPF", "edits/problem"], rows)
+        band = first_step_confidence(models["base"], tok, task, problems)
+        t = targets(table["LLaDA2.1 Quality"], table["LLaDA2.1 Speed"], aups, curves, y_max)
+        target_rows.append([task, t["speed_tpf_over_quality"], t["speed_ceiling_over_quality"], t["speed_accuracy_drop"],
+                            100 * band["middle"], t["tad_speed_aup_over_base"], t["aup_ceiling_over_base"]])
+        result["tasks"][task] = {"decoders": table, "sweeps": curves, "modes": modes, "aup": aups, "y_max": y_max,
+                                 "first_step_confidence": band, "targets": t}
+    print_table("base model: decoder → accuracy (%), TPF, forwards per problem",
+                ["task", "decoder", "accuracy", "TPF", "M2T fwd", "edit-only fwd", "edits"], rows)
     print_table("AUP (threshold sweep) and LLaDA2.1 modes per model",
                 ["task", "model", "AUP", "AUP/base", "Q acc", "Q TPF", "S acc", "S TPF"], aup_rows)
+    print_table("targets (S÷Q TPF ≥ 2 within 5 points; TAD-S AUP ≥ 1.5× base) beside the most reachable",
+                ["task", "S÷Q TPF", "S ceiling÷Q", "acc drop", "% conf in (.5,.7]", "TAD-S÷base AUP", "AUP ceiling÷base"],
+                target_rows)
     result["seconds"] = time.time() - t0
 
     def plot(plt):
@@ -129,10 +196,12 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=2500, 
 
 def add_arguments(p) -> None:
     p.add_argument("--cache", default="runs/dllm_cache", help="folder of the trained tiny models")
-    p.add_argument("--train-steps", type=int, default=2500)
-    p.add_argument("--tad-steps", type=int, default=400)
-    p.add_argument("--tad-per-task", type=int, default=400)
-    p.add_argument("--n-eval", type=int, default=100)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
+    p.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
+    p.add_argument("--tad-steps", type=int, default=TAD_STEPS)
+    p.add_argument("--tad-per-task", type=int, default=TAD_PER_TASK)
+    p.add_argument("--tad-lr", type=float, default=TAD_LR)
+    p.add_argument("--n-eval", type=int, default=300, help="test problems per task")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
@@ -141,4 +210,5 @@ def main(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
-        tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device)
+        tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, block_size=args.block_size,
+        tad_lr=args.tad_lr)

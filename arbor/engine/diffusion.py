@@ -19,8 +19,10 @@ the current block (finished blocks come from the exact KV cache of ``diffusion_c
     k highest-confidence masked tokens, k from LLaDA's even split of the block's masks.
 
 Decoding stops after the block holding the first stop token (or at ``gen_length``). Every forward
-pass, edit-only ones included, is counted in ``DecodeResult.forwards``; ``num_tokens`` counts the
-response tokens before the first stop token, so TPF = num_tokens / forwards.
+pass, edit-only ones included, is counted in ``DecodeResult.forwards``, of which
+``edit_only_forwards`` started with no mask left in their block (so ``forwards − edit_only_forwards``
+is the number of M2T steps, and with editing on every block costs at least one of each);
+``num_tokens`` counts the response tokens before the first stop token, so TPF = num_tokens / forwards.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class DecodeResult:
     num_tokens: int                      # response tokens before the first stop token
     forwards: int                        # forward passes this sequence took part in
     edits: int                           # T2T changes applied
+    edit_only_forwards: int = 0          # forwards whose block held no mask (post steps)
     sequence: list[int] = field(default_factory=list)              # prompt + response, final
     trajectory: list[torch.Tensor] = field(default_factory=list)   # response after each step
 
@@ -89,6 +92,7 @@ class _Seq:
     forwards: int = 0
     edits: int = 0
     post_steps: int = 0
+    edit_only_forwards: int = 0
     lc_step: int = 0                     # low_confidence: step inside the block
     lc_masks: int = 0                    # low_confidence: masks at the block's start
     done: bool = False
@@ -186,6 +190,7 @@ class DiffusionDecoder:
                     return
             else:
                 s.post_steps += 1
+                s.edit_only_forwards += 1
                 if bool(edit.any()) and s.post_steps < self.cfg.max_post_steps:
                     return
         self._commit(s, end)
@@ -217,7 +222,7 @@ class DiffusionDecoder:
     def _result(self, s: _Seq) -> DecodeResult:
         tokens = s.ids[s.prompt_len:].tolist()
         n = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
-        return DecodeResult(tokens, n, s.forwards, s.edits, s.ids.tolist(), s.trajectory)
+        return DecodeResult(tokens, n, s.forwards, s.edits, s.edit_only_forwards, s.ids.tolist(), s.trajectory)
 
 
 def diffusion_generate(model, prompts: list[list[int]], cfg: DecodeConfig | None = None,

@@ -1,5 +1,5 @@
-"""Multi-digit addition: prompt ``"add:482+037="``, answer the sum's digits ``"0519"`` — operands
-zero-padded to ``WIDTH`` digits and the sum to ``WIDTH + 1``, so digit i of the answer lines up with
+"""Multi-digit addition: prompt ``"add:00000482+00000037="``, answer the sum's digits ``"000000519"`` —
+operands zero-padded to ``WIDTH`` digits and the sum to ``WIDTH + 1``, so digit i of the answer lines up with
 digit i of the operands; most significant first, so each digit depends on the carries from the right
 (the known stress test for confident parallel decoding).
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from arbor.tasks.splits import split_of
 
-WIDTH = 3                # operand digits (zero-padded)
+WIDTH = 8                # operand digits (zero-padded)
 GEN_LENGTH = WIDTH + 3   # WIDTH + 1 digits of the sum, then the stop token (padding)
 
 
@@ -28,7 +28,7 @@ class Problem:
 
 
 
-def generate(n: int, seed: int = 0, split: str = "train", min_digits: int = 1, max_digits: int = 3) -> list[Problem]:
+def generate(n: int, seed: int = 0, split: str = "train", min_digits: int = 1, max_digits: int = WIDTH) -> list[Problem]:
     """``n`` distinct problems a + b of ``split``, each operand with min..max (≤ WIDTH) digits."""
     if not 1 <= min_digits <= max_digits <= WIDTH:
         raise ValueError(f"need 1 ≤ min_digits ≤ max_digits ≤ {WIDTH}, got {min_digits}, {max_digits}")

@@ -85,8 +85,9 @@ def _puzzle(rng: random.Random, min_blanks: int, max_blanks: int) -> Problem:
     return Problem(prompt, "".join(map(str, solution)))
 
 
-def generate(n: int, seed: int = 0, split: str = "train", min_blanks: int = 6, max_blanks: int = 10) -> list[Problem]:
-    """``n`` distinct uniquely-solvable puzzles of ``split`` with min..max blank cells."""
+def generate(n: int, seed: int = 0, split: str = "train", min_blanks: int = 8, max_blanks: int = 12) -> list[Problem]:
+    """``n`` distinct uniquely-solvable puzzles of ``split`` with min..max blank cells (fewer when no
+    further cell can be blanked without a second solution; 12 blanks = 4 givens is the 4×4 limit)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"arbor-sudoku:{seed}:{split}")

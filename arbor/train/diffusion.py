@@ -43,7 +43,7 @@ class DiffusionModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
-    block_size: int = 32
+    block_size: int = 64                 # every built-in task's response fits in one block
 
 
 @dataclass
