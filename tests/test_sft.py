@@ -60,3 +60,13 @@ def test_run_sft_writes_a_loadable_folder_and_uses_demo_options(tmp_path, monkey
     loaded = load_model(tmp_path / "sft", dtype=torch.float32)
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(p, q, msg=name)
+
+
+def test_until_ends_sft_after_the_step_it_says_stop():
+    tok, ex = examples(16)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id))
+    seen = []
+    hist = sft(model, ex, SFTConfig(steps=10, batch_tokens=400, log_every=100),
+               until=lambda step: seen.append(step) or step == 3)
+    assert seen == [0, 1, 2, 3] and hist[-1]["step"] == 3

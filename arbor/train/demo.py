@@ -3,8 +3,9 @@
 1. build the built-in tokenizer and a tiny random model; SFT it on demonstrations from a solver
    that answers most short problems in its head (``mental_rate``) and works long ones with the
    calculator. The student imitates both habits but cannot do the mental arithmetic, so its
-   held-out accuracy is clearly above 0 and far below 100 % — a plateau, not a moment in
-   training, so it does not depend on where SFT stops or on the machine's float rounding;
+   accuracy plateaus clearly above 0 and far below 100 %. SFT stops once greedy accuracy on
+   training-split problems reaches ``sft_target`` (checked every ``sft_check_every`` steps), so
+   the start of RL does not hang on the machine's float rounding or the seed;
 2. RL with tree rollouts (branching at the first two turns), IcePop and C3PO++: the sampled
    tool-using turns earn the reward, and the policy learns to call the calculator;
 3. print held-out accuracy before and after RL, and write the reward/accuracy plot.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +33,13 @@ class DemoConfig:
     out: str = "runs/demo"
     seed: int = 0
     eval_problems: int = 200
+    sft_target: float = 0.15       # SFT stops once greedy accuracy on training-split problems reaches this
+    sft_check_every: int = 100     # … checked every this many SFT steps (sft.train.steps is the most)
+    sft_check_problems: int = 100
     sft: SFTRunConfig = field(default_factory=lambda: SFTRunConfig(
         model="tiny", demos=4000, demo_options={"mental_rate": 0.7},
-        train=SFTConfig(steps=600, batch_tokens=4096, log_every=50, optim=OptimConfig(lr=3e-3, warmup_steps=20))))
+        train=SFTConfig(steps=1500, batch_tokens=4096, log_every=50,
+                        optim=OptimConfig(lr=3e-3, warmup_steps=20, min_lr_ratio=1.0))))
     rl: RLConfig = field(default_factory=lambda: RLConfig(
         steps=30, eval_every=10, checkpoint_every=10,
         rollout=RolloutConfig(max_turn_tokens=24, max_context=400, temperature=0.7, branch=[4, 2]),
@@ -50,14 +56,36 @@ def demo(cfg: DemoConfig) -> dict:
     out = Path(cfg.out)
     t0 = time.time()
     cfg.sft.out, cfg.sft.train.seed = str(out / "sft"), cfg.seed
-    print(f"[1/3] SFT: tiny model, {cfg.sft.train.steps} steps on {cfg.sft.demos} calculator demonstrations "
-          f"({cfg.sft.demo_options or 'ideal solver'})")
-    model, tok, _ = run_sft(cfg.sft, on_log=lambda r: print(f"  sft step {r['step']:4d}  loss {r['loss']:.3f}", flush=True))
     cfg.rl.out, cfg.rl.seed, cfg.rl.model = str(out / "rl"), cfg.seed, cfg.sft.out
     cfg.rl.eval_problems = cfg.eval_problems
-    engine, sampling = make_engine(model, tok, cfg.rl.engine_dtype, cfg.rl.device,
-                                   max_model_len=cfg.rl.rollout.max_context + 64)
-    trainer = RLTrainer(cfg.rl, model, tok, engine, sampling, get_task(cfg.rl.task))
+    if (out / "rl").exists():       # a new SFT model: RL state from an earlier demo run does not apply
+        shutil.rmtree(out / "rl")
+    built = {}
+
+    def trainer_for(model, tok) -> RLTrainer:
+        """One engine (sharing the model's tensors) and trainer, for the SFT checks and for RL."""
+        if "trainer" not in built:
+            engine, sampling = make_engine(model, tok, cfg.rl.engine_dtype, cfg.rl.device,
+                                           max_model_len=cfg.rl.rollout.max_context + 64)
+            built["trainer"] = RLTrainer(cfg.rl, model, tok, engine, sampling, get_task(cfg.rl.task))
+        return built["trainer"]
+
+    def until(model, tok, step) -> bool:
+        if (step + 1) % cfg.sft_check_every:
+            return False
+        trainer = trainer_for(model, tok)
+        trainer.engine.update_weights(model.state_dict())     # drops KV cached under older weights
+        acc = asyncio.run(trainer.evaluate(cfg.sft_check_problems, split="train"))
+        print(f"  sft step {step + 1:4d}  greedy accuracy on {cfg.sft_check_problems} training problems {acc:.1%}"
+              f"{'  (target reached)' if acc >= cfg.sft_target else ''}", flush=True)
+        return acc >= cfg.sft_target
+
+    print(f"[1/3] SFT: tiny model, up to {cfg.sft.train.steps} steps on {cfg.sft.demos} calculator demonstrations "
+          f"({cfg.sft.demo_options or 'ideal solver'}) until training accuracy ≥ {cfg.sft_target:.0%}")
+    model, tok, _ = run_sft(cfg.sft, until=until,
+                            on_log=lambda r: print(f"  sft step {r['step']:4d}  loss {r['loss']:.3f}", flush=True))
+    trainer = trainer_for(model, tok)
+    trainer.engine.update_weights(model.state_dict())
     before = asyncio.run(trainer.evaluate())
     print(f"[2/3] held-out accuracy after SFT: {before:.1%}  ({time.time() - t0:.0f}s)")
     print(f"[3/3] RL: {cfg.rl.steps} steps, tree rollouts branch={cfg.rl.rollout.branch}, "

@@ -38,8 +38,9 @@ def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
     return picked
 
 
-def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None) -> list[dict]:
-    """examples: (ids, loss_mask) pairs. Trains ``model`` in place; returns the logged metrics."""
+def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None, until=None) -> list[dict]:
+    """examples: (ids, loss_mask) pairs. Trains ``model`` in place for ``cfg.steps`` steps, or
+    until ``until(step)`` (called after each optimizer step) says stop; returns the logged metrics."""
     if not examples:
         raise ValueError("sft needs at least one demonstration")
     rng = random.Random(cfg.seed)
@@ -59,11 +60,14 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
             loss.backward()
             loss_sum += float(loss.detach())
         stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+        stop = until is not None and until(step)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
             row = {"step": step, "loss": loss_sum, **stats}
             history.append(row)
             if on_log:
                 on_log(row)
+        if stop:
+            break
     model.eval()
     return history
 
@@ -80,8 +84,9 @@ class SFTRunConfig:
     train: SFTConfig = field(default_factory=SFTConfig)
 
 
-def run_sft(cfg: SFTRunConfig, on_log=None):
-    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json."""
+def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
+    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json.
+    ``until(model, tokenizer, step) -> bool`` may end training early (see ``sft``)."""
     import json
     from pathlib import Path
 
@@ -101,7 +106,8 @@ def run_sft(cfg: SFTRunConfig, on_log=None):
     task = get_task(cfg.task)
     problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
     examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
-    history = sft(model, examples, cfg.train, on_log)
+    stop = None if until is None else (lambda step: until(model, tok, step))
+    history = sft(model, examples, cfg.train, on_log, stop)
     save_model(model, cfg.out, tokenizer=tok)
     (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
     return model, tok, history
