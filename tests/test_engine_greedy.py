@@ -70,17 +70,45 @@ def argmax_loop(model, prompt, new):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["default", "chunked", "preemption"])
-def test_hybrid_greedy_equals_full_forward_loop(tmp_path, name):
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
     hf = hf_model("qwen3_next")
-    hf.save_pretrained(tmp_path / "next")
-    model = load_model(tmp_path / "next")
-    ps = prompts(hf.config.vocab_size)[:4]
+    folder = tmp_path_factory.mktemp("next")
+    hf.save_pretrained(folder)
+    return load_model(folder), prompts(hf.config.vocab_size)[:4] + prompts(hf.config.vocab_size)[5:]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hybrid_greedy_equals_full_forward_loop(hybrid, name):
+    model, ps = hybrid
     ref = [argmax_loop(model, p, 8) for p in ps]
     engine = LLMEngine(model, EngineConfig(**CONFIGS[name]))
-    outs = engine.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.token_ids for o in outs] == ref
-    assert not engine.block_manager.enable_prefix_caching
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in engine.generate(ps, params)] == ref
+    assert engine.block_manager.enable_prefix_caching == (name != "no-prefix-cache")
+    if name == "default":   # prefix caching restores recurrent-state snapshots at block boundaries
+        again = engine.generate(ps, params)
+        assert [o.token_ids for o in again] == ref
+        assert [o.num_cached_tokens for o in again] == [0, 16, 32, 0, 16]
+
+
+def test_hybrid_prefix_cache_serves_multi_turn_history_and_samples(hybrid):
+    """Turn 2 re-sends turn 1 (prompt + output) plus new tokens: it starts from the snapshot at the
+    last block boundary of turn 1 and decodes exactly what a full forward gives; n greedy samples
+    of one prompt share its first block's state."""
+    model, ps = hybrid
+    engine = LLMEngine(model, EngineConfig(block_size=8))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    turn1 = engine.generate(ps, params)
+    history = [p + o.token_ids + [7, 8, 9] for p, o in zip(ps, turn1)]
+    turn2 = engine.generate(history, params)
+    assert [o.token_ids for o in turn2] == [argmax_loop(model, h, 10) for h in history]
+    assert [o.num_cached_tokens for o in turn2] == [(len(p) + 9) // 8 * 8 for p in ps]
+    samples = engine.generate([ps[2]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=3))
+    assert [o.token_ids for o in samples] == [argmax_loop(model, ps[2], 4)] * 3
+    assert [o.num_cached_tokens for o in samples][1:] == [32, 32]
+    engine.update_weights(model.state_dict())
+    assert not engine.runner.states.snapshots
 
 
 def test_bfloat16_runs_close_to_float32(hf_case):

@@ -8,7 +8,9 @@ Invariants:
   so it can still be hit until it is reallocated for other tokens;
 - a hit needs the hash *and* the stored tokens to match (hash collisions cannot corrupt);
 - at most ``(len(seq) − 1) // block_size`` blocks are taken from the cache, so the last
-  token is always computed (its logits give the next token).
+  token is always computed (its logits give the next token);
+- with ``states`` (models with linear-attention layers) a hit also needs the recurrent-state
+  snapshot after its last block (``StateCache``), so a hit ends at the last block that has one.
 The interface (``can_allocate / allocate / can_append / append_slot / commit / deallocate``)
 is what the scheduler uses; a layer-wise or tiered KV manager plugs in behind it.
 """
@@ -28,8 +30,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, states=None):
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.states = states        # a StateCache with snapshots, for hybrid models
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -63,6 +66,9 @@ class BlockManager:
                 break
             hits.append((h, bid))
             parent = h
+        if self.states is not None:
+            while hits and not self.states.has_snapshot(hits[-1][0]):
+                hits.pop()
         return hits
 
     def _take_free(self) -> Block:
@@ -130,8 +136,10 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
-        """Forget every hash (after a weight update the cached KV is stale)."""
+        """Forget every hash (after a weight update the cached KV and states are stale)."""
         self.hash_to_block.clear()
+        if self.states is not None:
+            self.states.clear_snapshots()
         for block in self.blocks:
             if block.ref_count == 0:
                 block.hash = block.token_ids = None

@@ -15,7 +15,9 @@ class EngineConfig:
     or ``kv_cache_bytes`` (CPU), capped at what ``max_num_seqs`` sequences of ``max_model_len``
     tokens need. ``max_model_len`` is clipped to the pool, so one sequence always fits.
     ``logit_noise`` adds N(0, σ²) to the logits before sampling and log-probs (to simulate an
-    engine whose numerics differ from the trainer's)."""
+    engine whose numerics differ from the trainer's). ``state_snapshots``: recurrent-state snapshots
+    kept at block boundaries so that prefix caching also serves models with linear-attention layers
+    (each holds every linear layer's state; 0 turns prefix caching off for such models)."""
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -25,6 +27,7 @@ class EngineConfig:
     max_model_len: int = 4096
     policy: str = "mixed"
     enable_prefix_caching: bool = True
+    state_snapshots: int = 64
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0

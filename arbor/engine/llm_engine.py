@@ -55,8 +55,11 @@ class LLMEngine:
                                             cfg.torch_dtype)
         num_blocks = cfg.resolve_num_blocks(per_block)
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings, num_blocks * cfg.block_size)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and not has_linear)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed)
+        snapshots = cfg.state_snapshots if has_linear and cfg.enable_prefix_caching else 0
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed,
+                                  snapshots)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and (
+            snapshots > 0 or not has_linear), states=self.runner.states if snapshots else None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,
                                    on_free=self.runner.release)
         self.sampler = Sampler(cfg.seed)
@@ -125,6 +128,7 @@ class LLMEngine:
         for seq, n in batch:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+        self.runner.save_states([seq for seq, _ in batch])
         if not sampled:
             self.num_steps += 1
             return []

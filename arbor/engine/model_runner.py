@@ -17,14 +17,15 @@ from arbor.engine.state_cache import StateCache
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int, logit_noise: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, num_state_snapshots: int = 0):
         self.model, cfg = model, model.config
+        self.block_size = block_size
         self.device = model.device
         self.layer_map = {i: a for a, i in enumerate(
             i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
         self.kv = KVCache(len(self.layer_map), num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                           model.dtype, self.device)
-        self.states = StateCache(model, max_num_seqs, self.device)
+        self.states = StateCache(model, max_num_seqs, self.device, num_state_snapshots)
         self.logit_noise = logit_noise
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
 
@@ -51,6 +52,9 @@ class ModelRunner:
             for s in seqs:
                 if s.state_slot is None:
                     s.state_slot = self.states.take()
+                    if s.num_computed_tokens:   # a prefix-cache hit: its last block has a snapshot
+                        key = s.block_hashes[s.num_computed_tokens // self.block_size - 1]
+                        self.states.restore_snapshot(s.state_slot, key)
             slots = torch.tensor([s.state_slot for s in seqs], device=dev)
             states = self.states.gather(slots, len(self.model.model.layers))
         out = self.model(torch.tensor(ids, device=dev), attn, positions=torch.tensor(positions, device=dev),
@@ -65,6 +69,15 @@ class ModelRunner:
             logits = logits + self.logit_noise * torch.randn(logits.shape, generator=self.noise_generator, device=dev)
         offsets = [e - n for e, n in zip(ends, lengths)]
         return batch, [seqs[i] for i in sample], logits, out.routed_experts, offsets
+
+    def save_states(self, seqs: list[Sequence]) -> None:
+        """Snapshot the states of sequences whose computed tokens end at a committed block boundary."""
+        if not self.states.num_snapshots:
+            return
+        for s in seqs:
+            full = s.num_computed_tokens // self.block_size
+            if s.num_computed_tokens % self.block_size == 0 and full and len(s.block_hashes) >= full:
+                self.states.save_snapshot(s.state_slot, s.block_hashes[full - 1])
 
     def release(self, seq: Sequence) -> None:
         if seq.state_slot is not None:

@@ -6,6 +6,9 @@ a number of tokens (a chunk); a sequence samples when its chunk reaches its last
 Invariants: Σ chunk ≤ ``max_num_batched_tokens``; running ≤ ``max_num_seqs``; every scheduled
 token has a KV slot. When a decode needs a block and none is free, the newest running sequence
 is preempted by recompute (blocks freed, computed count reset, re-queued at the front).
+For models with linear-attention layers (``BlockManager.states``) prefill chunks end on block
+boundaries where they can (the tail after the last boundary runs as its own chunk), so the
+recurrent state at those boundaries can be snapshotted for prefix caching.
 
 Policies (``SchedulerPolicy.schedule(scheduler) -> list[(seq, num_tokens)]``):
 - ``prefill-first``: a step is all-prefill (running chunks, then admissions) when any prefill
@@ -72,7 +75,7 @@ class Scheduler:
             if budget == 0:
                 return 0
             if seq.num_pending_tokens > 1:  # decodes (pending 1) are scheduled apart
-                n = min(seq.num_pending_tokens, budget)
+                n = self.chunk(seq, budget)
                 batch.append((seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -86,10 +89,21 @@ class Scheduler:
             self.bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_pending_tokens, budget)
+            n = self.chunk(seq, budget)
             batch.append((seq, n))
             budget -= n
         return budget
+
+    def chunk(self, seq: Sequence, budget: int) -> int:
+        """Prefill tokens of ``seq`` to run now: all pending ones within the budget, cut back to
+        the last block boundary when block-boundary states are wanted and one lies inside."""
+        n = min(seq.num_pending_tokens, budget)
+        if self.bm.states is not None:
+            start, bs = seq.num_computed_tokens, self.bm.block_size
+            boundary = (start + n - (start + n == len(seq))) // bs * bs
+            if boundary > start:
+                n = boundary - start
+        return n
 
     def has_prefill_work(self) -> bool:
         if any(s.num_pending_tokens > 1 for s in self.running):
