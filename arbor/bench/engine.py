@@ -7,7 +7,9 @@ Tiny-Qwen3 shape with random weights, greedy, EOS ignored. Workloads:
   static batches of ``hf_batch`` (left-padded, each batch to its longest output; only requested
   tokens count), Arbor gets all requests at once (continuous batching).
 - ``multiturn``: conversations re-send their growing history each turn; Arbor with and without
-  prefix caching, and the prefix-cache hit rate (prompt tokens served from cache / prompt tokens).
+  prefix caching, and the prefix-cache hit rate (prompt tokens served from cache / prompt tokens),
+  for the Qwen3 model and for a hybrid one (the tree bench's Gated DeltaNet 3:1 + MoE config,
+  whose prefix hits restore recurrent-state snapshots).
 Throughput = generated (requested) tokens / wall seconds; ratio = Arbor ÷ transformers.
 """
 
@@ -61,17 +63,24 @@ def random_prompts(rng, n, lo, hi):
     return [[rng.randrange(SHAPE["vocab_size"]) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def hybrid_model(device):
+    from arbor.bench.tree import MODELS
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**MODELS["hybrid"])).to(device).eval()
+
+
 def multiturn(eng, rng, convs, turns, user_len, new):
     """Each turn re-sends history + a new user message; → (seconds, hit rate)."""
     import time
-    hist = random_prompts(rng, convs, user_len, user_len)
+    vocab = eng.model.config.vocab_size
+    hist = [[rng.randrange(vocab) for _ in range(user_len)] for _ in range(convs)]
     bm = eng.block_manager
     bm.reset_prefix_cache()
     bm.num_hit_tokens = bm.num_query_tokens = 0
     t0 = time.perf_counter()
     for _ in range(turns):
         outs = eng.generate(hist, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
-        hist = [h + o.token_ids + [rng.randrange(SHAPE["vocab_size"]) for _ in range(user_len)] for h, o in zip(hist, outs)]
+        hist = [h + o.token_ids + [rng.randrange(vocab) for _ in range(user_len)] for h, o in zip(hist, outs)]
     return time.perf_counter() - t0, bm.hit_rate
 
 
@@ -123,10 +132,11 @@ def run(out_dir="bench_results", device="cpu", repeats=3, batch=16, prompt_len=6
 
     # ---- multi-turn ---------------------------------------------------------------------
     mt = {}
-    for caching in (True, False):
-        eng = engine(model, "float32", device, num_blocks=2048, enable_prefix_caching=caching)
-        secs, hit = multiturn(eng, random.Random(1), convs, turns, 32, 32)
-        mt["prefix-cache" if caching else "no-cache"] = {"seconds": secs, "hit_rate": hit}
+    for name, m in (("qwen3", model), ("hybrid", hybrid_model(device))):
+        for caching in (True, False):
+            eng = engine(m, "float32", device, num_blocks=2048, enable_prefix_caching=caching)
+            secs, hit = multiturn(eng, random.Random(1), convs, turns, 32, 32)
+            mt[f"{name} {'prefix-cache' if caching else 'no-cache'}"] = {"seconds": secs, "hit_rate": hit}
     result["workloads"]["multiturn"] = mt
     print_table(f"engine throughput (generated tokens/s), greedy, {device}, threads {torch.get_num_threads()}",
                 ["workload", "arbor", "transformers tok/s", "arbor tok/s", "arbor/transformers"], rows)
