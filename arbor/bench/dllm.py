@@ -101,8 +101,10 @@ def first_step_confidence(model, tok, task: str, problems) -> dict:
 
 
 def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int, device: str, block_size: int,
-                  tad_lr: float = TAD_LR, log=print):
-    """base, TAD-Quality and TAD-Speed models (trained once, then loaded from cache_dir)."""
+                  tad_lr: float = TAD_LR, tad_scope: str = "all", tasks=tuple(TASKS), log=print):
+    """→ ({task: {"base", "TAD-Quality", "TAD-Speed": model}}, tokenizer), trained once, then loaded from
+    cache_dir. One base model for all tasks; TAD students distilled on the trajectories of every task
+    (``tad_scope="all"``: the same students serve each task) or of that task alone (``"task"``)."""
     cache = Path(cache_dir)
     base_dir = cache / f"v{DATA_VERSION}_base_b{block_size}_s{train_steps}"
     if not (base_dir / "config.json").exists():
@@ -111,20 +113,26 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
                                                               block_size=block_size))
         train_from_config(cfg, out_dir=base_dir, on_log=log)
     tok = Tokenizer.load(base_dir)
-    models = {"base": load_model(base_dir, device=device).eval()}
-    trajectories = None
-    for name, delta in (("TAD-Quality", QUALITY_DELTA), ("TAD-Speed", SPEED_DELTA)):
-        folder = base_dir.with_name(f"{base_dir.name}_{name.lower()}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}_d{delta}")
-        if not (folder / "config.json").exists():
-            if trajectories is None:
-                trajectories = teacher_trajectories(models["base"], tok, list(TASKS), tad_per_task)
-                log(f"TAD: {len(trajectories)} correct teacher trajectories")
-            student = load_model(base_dir, device=device)
-            tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, optim=OptimConfig(lr=tad_lr, warmup_steps=20))
-            distill(student, trajectories, tad, teacher=models["base"], on_log=log)
-            save_model(student, folder, tokenizer=tok)
-        models[name] = load_model(folder, device=device).eval()
-    return models, tok
+    base = load_model(base_dir, device=device).eval()
+    groups = {"all": list(TASKS)} if tad_scope == "all" else {t: [t] for t in tasks}
+    out = {}
+    for group, group_tasks in groups.items():
+        students, trajectories = {"base": base}, None
+        tag = "" if group == "all" else f"_{group}"
+        for name, delta in (("TAD-Quality", QUALITY_DELTA), ("TAD-Speed", SPEED_DELTA)):
+            folder = base_dir.with_name(
+                f"{base_dir.name}_{name.lower()}{tag}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}_d{delta}")
+            if not (folder / "config.json").exists():
+                if trajectories is None:
+                    trajectories = teacher_trajectories(base, tok, group_tasks, tad_per_task)
+                    log(f"TAD ({group}): {len(trajectories)} correct teacher trajectories")
+                student = load_model(base_dir, device=device)
+                tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, optim=OptimConfig(lr=tad_lr, warmup_steps=20))
+                distill(student, trajectories, tad, teacher=base, on_log=log)
+                save_model(student, folder, tokenizer=tok)
+            students[name] = load_model(folder, device=device).eval()
+        out.update({t: students for t in group_tasks})
+    return out, tok
 
 
 def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
@@ -141,14 +149,20 @@ def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
 
 def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_STEPS, tad_steps=TAD_STEPS,
         tad_per_task=TAD_PER_TASK, n_eval=300, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
-        tad_lr=TAD_LR) -> dict:
+        tad_lr=TAD_LR, tad_scope="all") -> dict:
+    if tad_scope not in ("all", "task"):
+        raise ValueError(f"tad_scope must be 'all' (one pair of students for every task) or 'task' (a pair per task), "
+                         f"got {tad_scope!r}")
     t0 = time.time()
-    models, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device, block_size, tad_lr)
-    B = models["base"].config.block_size
+    per_task, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device, block_size, tad_lr,
+                                  tad_scope, tasks)
+    B = per_task[tasks[0]]["base"].config.block_size
     result = {"config": {"train_steps": train_steps, "tad_steps": tad_steps, "tad_per_task": tad_per_task,
-                         "tad_lr": tad_lr, "n_eval": n_eval, "block_size": B, "sweep": SWEEP}, "tasks": {}}
+                         "tad_lr": tad_lr, "tad_scope": tad_scope, "n_eval": n_eval, "block_size": B,
+                         "sweep": SWEEP}, "tasks": {}}
     rows, aup_rows, target_rows = [], [], []
     for task in tasks:
+        models = per_task[task]
         problems = TASKS[task].generate(n_eval, seed=1234, split="test")
         table = {name: evaluate(models["base"], tok, task, problems, cfg) for name, cfg in decoders(B)}
         for name, r in table.items():
@@ -201,6 +215,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tad-steps", type=int, default=TAD_STEPS)
     p.add_argument("--tad-per-task", type=int, default=TAD_PER_TASK)
     p.add_argument("--tad-lr", type=float, default=TAD_LR)
+    p.add_argument("--tad-scope", choices=("all", "task"), default="all",
+                   help="TAD students distilled on every task's trajectories (all) or one pair per task (task)")
     p.add_argument("--n-eval", type=int, default=300, help="test problems per task")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
@@ -211,4 +227,4 @@ def main(args) -> None:
         torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
         tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, block_size=args.block_size,
-        tad_lr=args.tad_lr)
+        tad_lr=args.tad_lr, tad_scope=args.tad_scope)
