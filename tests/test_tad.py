@@ -71,6 +71,13 @@ def test_tad_loss_equals_ce_plus_kl_by_hand():
     assert float(out["loss"]) == pytest.approx(ce + sum(kls) / 2, rel=1e-6)
     empty = torch.zeros(3, dtype=torch.bool)
     assert float(tad_loss(s, t, targets, empty, empty)["loss"]) == 0.0
+    # the optional visible term: + w · mean CE of the visible rows against their own tokens
+    visible = torch.tensor([False, True, True])
+    ce_vis = -(math.log(softmax([0.5, -1.0, 2.0])[0]) + math.log(softmax([0.0, 0.0, 3.0])[2])) / 2
+    out = tad_loss(s, t, targets, near, distant, visible, visible_weight=0.5)
+    assert float(out["ce_visible"]) == pytest.approx(ce_vis, rel=1e-6)
+    assert float(out["loss"]) == pytest.approx(ce + sum(kls) / 2 + 0.5 * ce_vis, rel=1e-6)
+    assert "ce_visible" not in tad_loss(s, t, targets, near, distant, visible, visible_weight=0.0)
 
 
 def test_recorded_trajectories_reveal_one_token_per_step_and_are_filtered():

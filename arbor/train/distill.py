@@ -10,6 +10,10 @@
      distant if it is still masked there   → KL(p_teacher ‖ p_student) at temperature 1, the
                                              teacher reading its reference-conditioned input.
    Loss = CE_near + KL_distant, each the mean over its positions in the batch (0 if none).
+   Optional (``visible_weight`` w > 0, not in the paper): + w · CE_visible, the mean CE of the
+   block's already revealed positions against their own tokens (s_k[i] = s_{k+Δ}[i]: the teacher
+   never edits), so the student's predictions on visible tokens stay put and T2T editing, which
+   re-reads them, does not rewrite right answers.
 3. A smaller Δ gives the Quality student, a larger Δ (more distant tokens pulled towards the
    teacher's reference-informed distribution) the Speed student.
 """
@@ -36,6 +40,7 @@ class TADConfig:
     steps: int = 300
     batch_size: int = 32
     seed: int = 0
+    visible_weight: float = 0.0          # w of CE on revealed block tokens; 0 = the paper's loss
     log_every: int = 50
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=20))
 
@@ -82,18 +87,23 @@ def partition(state_k: torch.Tensor, state_kd: torch.Tensor, mask_id: int, regio
     return masked & ~still, masked & still
 
 
-def tad_loss(student_logits, teacher_logits, targets, near, distant) -> dict:
-    """CE_near + KL_distant: mean CE(student, target) over near rows + mean KL(teacher ‖ student)
-    over distant rows (rows = positions; logits [N, V])."""
+def tad_loss(student_logits, teacher_logits, targets, near, distant, visible=None, visible_weight: float = 0.0) -> dict:
+    """CE_near + KL_distant [+ w·CE_visible]: mean CE(student, target) over near rows + mean
+    KL(teacher ‖ student) over distant rows [+ w · mean CE(student, target) over visible rows]
+    (rows = positions; logits [N, V])."""
     logp_s = F.log_softmax(student_logits.float(), -1)
     zero = logp_s.sum() * 0
-    ce = -logp_s[near].gather(-1, targets[near, None]).mean() if bool(near.any()) else zero
+    ce_of = lambda rows: -logp_s[rows].gather(-1, targets[rows, None]).mean() if bool(rows.any()) else zero
+    ce = ce_of(near)
     if bool(distant.any()):
         logp_t = F.log_softmax(teacher_logits.float(), -1)[distant]
         kl = (logp_t.exp() * (logp_t - logp_s[distant])).sum(-1).mean()
     else:
         kl = zero
-    return {"loss": ce + kl, "ce_near": ce, "kl_distant": kl}
+    if visible is None or visible_weight == 0:
+        return {"loss": ce + kl, "ce_near": ce, "kl_distant": kl}
+    vis = ce_of(visible)
+    return {"loss": ce + kl + visible_weight * vis, "ce_near": ce, "kl_distant": kl, "ce_visible": vis}
 
 
 def make_pairs(trajectories: list[Trajectory], delta: int, mask_id: int, block_size: int):
@@ -144,7 +154,8 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
         logits_s = _forward_rows(student, [tr.example.prompt for tr in trajs], states, regions)
         with torch.no_grad():
             logits_t = _forward_rows(teacher, [tr.example.reference_prompt for tr in trajs], states, regions)
-        parts = tad_loss(logits_s, logits_t, sel(5), sel(3), sel(4))
+        visible = torch.cat([(tr.states[b[1]] != mask_id)[b[2]] for tr, b in zip(trajs, batch)]).to(student.device)
+        parts = tad_loss(logits_s, logits_t, sel(5), sel(3), sel(4), visible, cfg.visible_weight)
         parts["loss"].backward()
         stats = optimizer_step(student, opt, step, cfg.steps, cfg.optim)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
