@@ -116,6 +116,8 @@ def add_dllm_distill(sub) -> None:
     p.add_argument("--out", required=True, help="folder for the quality/ and speed/ students")
     p.add_argument("--mode", choices=["quality", "speed", "both"], default="both")
     p.add_argument("--per-task", type=int, default=400, help="training prompts per task for the teacher")
+    p.add_argument("--tasks", nargs="+", help="distil on these tasks only (default: every built-in task); "
+                   "one task gives students specialised to it")
     p.add_argument("--device", default="cpu")
     _config_args(p)
 
@@ -125,7 +127,7 @@ def add_dllm_distill(sub) -> None:
         path, over = _split_config(a)
         modes = ("quality", "speed") if a.mode == "both" else (a.mode,)
         for mode, folder in distill_folder(a.model, a.out, configs.load(TADConfig, path, over), modes,
-                                           per_task=a.per_task, device=a.device).items():
+                                           tasks=a.tasks, per_task=a.per_task, device=a.device).items():
             print(f"{mode}: saved {folder}")
 
     p.set_defaults(func=run)

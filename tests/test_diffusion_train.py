@@ -109,3 +109,5 @@ def test_cli_dllm_train_then_generate(tmp_path, capsys):
     assert cli_main(["dllm-distill", "--model", str(out), "--out", str(tmp_path / "tad"), "--per-task", "2",
                      "steps=2", "batch_size=2"]) == 2
     assert "no correct teacher trajectory" in capsys.readouterr().err
+    assert cli_main(["dllm-distill", "--model", str(out), "--out", str(tmp_path / "tad"), "--tasks", "chess"]) == 2
+    assert "unknown task(s) ['chess']" in capsys.readouterr().err

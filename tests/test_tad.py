@@ -47,6 +47,11 @@ def test_make_pairs_from_a_recorded_trajectory():
     k1 = [p for p in pairs if p[1] == 1][0]
     assert k1[3].tolist() == [True, False, False, False] and not k1[4].any()
     assert [p[1] for p in pairs] == [0, 1, 2, 3]
+    # with completed blocks: + block 0 at k=2 (s_2 fills its last mask), block 1 at k=4, targets s_k
+    extra = make_pairs([traj], delta=2, mask_id=M, block_size=4, completed_blocks=True)[len(pairs):]
+    assert [(p[1], p[2].tolist(), p[5].tolist()) for p in extra] == [
+        (2, [True, True, False, False], [3, 4, M, M]), (4, [False, False, True, True], [3, 4, 2, 1])]
+    assert not any(p[3].any() or p[4].any() for p in extra)
 
 
 def test_tad_loss_equals_ce_plus_kl_by_hand():

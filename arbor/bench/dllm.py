@@ -101,7 +101,8 @@ def first_step_confidence(model, tok, task: str, problems) -> dict:
 
 
 def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int, device: str, block_size: int,
-                  tad_lr: float = TAD_LR, tad_scope: str = "all", tasks=tuple(TASKS), log=print):
+                  tad_lr: float = TAD_LR, tad_scope: str = "all", tasks=tuple(TASKS),
+                  tad_visible_weight: float = 0.0, log=print):
     """→ ({task: {"base", "TAD-Quality", "TAD-Speed": model}}, tokenizer), trained once, then loaded from
     cache_dir. One base model for all tasks; TAD students distilled on the trajectories of every task
     (``tad_scope="all"``: the same students serve each task) or of that task alone (``"task"``)."""
@@ -118,7 +119,7 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
     out = {}
     for group, group_tasks in groups.items():
         students, trajectories = {"base": base}, None
-        tag = "" if group == "all" else f"_{group}"
+        tag = ("" if group == "all" else f"_{group}") + (f"_v{tad_visible_weight:g}" if tad_visible_weight else "")
         for name, delta in (("TAD-Quality", QUALITY_DELTA), ("TAD-Speed", SPEED_DELTA)):
             folder = base_dir.with_name(
                 f"{base_dir.name}_{name.lower()}{tag}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}_d{delta}")
@@ -127,7 +128,8 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
                     trajectories = teacher_trajectories(base, tok, group_tasks, tad_per_task)
                     log(f"TAD ({group}): {len(trajectories)} correct teacher trajectories")
                 student = load_model(base_dir, device=device)
-                tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, optim=OptimConfig(lr=tad_lr, warmup_steps=20))
+                tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, visible_weight=tad_visible_weight,
+                                optim=OptimConfig(lr=tad_lr, warmup_steps=20))
                 distill(student, trajectories, tad, teacher=base, on_log=log)
                 save_model(student, folder, tokenizer=tok)
             students[name] = load_model(folder, device=device).eval()
@@ -149,16 +151,17 @@ def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
 
 def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_STEPS, tad_steps=TAD_STEPS,
         tad_per_task=TAD_PER_TASK, n_eval=300, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
-        tad_lr=TAD_LR, tad_scope="all") -> dict:
+        tad_lr=TAD_LR, tad_scope="all", tad_visible_weight=0.0) -> dict:
     if tad_scope not in ("all", "task"):
         raise ValueError(f"tad_scope must be 'all' (one pair of students for every task) or 'task' (a pair per task), "
                          f"got {tad_scope!r}")
     t0 = time.time()
     per_task, tok = cached_models(cache_dir, train_steps, tad_steps, tad_per_task, device, block_size, tad_lr,
-                                  tad_scope, tasks)
+                                  tad_scope, tasks, tad_visible_weight)
     B = per_task[tasks[0]]["base"].config.block_size
     result = {"config": {"train_steps": train_steps, "tad_steps": tad_steps, "tad_per_task": tad_per_task,
-                         "tad_lr": tad_lr, "tad_scope": tad_scope, "n_eval": n_eval, "block_size": B,
+                         "tad_lr": tad_lr, "tad_scope": tad_scope, "tad_visible_weight": tad_visible_weight,
+                         "n_eval": n_eval, "block_size": B,
                          "sweep": SWEEP}, "tasks": {}}
     rows, aup_rows, target_rows = [], [], []
     for task in tasks:
@@ -217,6 +220,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tad-lr", type=float, default=TAD_LR)
     p.add_argument("--tad-scope", choices=("all", "task"), default="all",
                    help="TAD students distilled on every task's trajectories (all) or one pair per task (task)")
+    p.add_argument("--tad-visible-weight", type=float, default=0.0,
+                   help="weight of TAD's optional CE on revealed tokens (0: the paper's loss)")
     p.add_argument("--n-eval", type=int, default=300, help="test problems per task")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
@@ -227,4 +232,5 @@ def main(args) -> None:
         torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
         tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, block_size=args.block_size,
-        tad_lr=args.tad_lr, tad_scope=args.tad_scope)
+        tad_lr=args.tad_lr, tad_scope=args.tad_scope,
+        tad_visible_weight=args.tad_visible_weight)

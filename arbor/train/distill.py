@@ -13,7 +13,8 @@
    Optional (``visible_weight`` w > 0, not in the paper): + w · CE_visible, the mean CE of the
    block's already revealed positions against their own tokens (s_k[i] = s_{k+Δ}[i]: the teacher
    never edits), so the student's predictions on visible tokens stay put and T2T editing, which
-   re-reads them, does not rewrite right answers.
+   re-reads them, does not rewrite right answers. It also adds one pair per block at the step that
+   fills the block's last mask (the state LLaDA2.1's edit-only check reads), visible term only.
 3. A smaller Δ gives the Quality student, a larger Δ (more distant tokens pulled towards the
    teacher's reference-informed distribution) the Speed student.
 """
@@ -106,17 +107,36 @@ def tad_loss(student_logits, teacher_logits, targets, near, distant, visible=Non
     return {"loss": ce + kl + visible_weight * vis, "ce_near": ce, "kl_distant": kl, "ce_visible": vis}
 
 
-def make_pairs(trajectories: list[Trajectory], delta: int, mask_id: int, block_size: int):
-    """(trajectory index, k, region, near, distant, targets) for every k with a near or distant position."""
+def completed_block(prompt_len: int, before: torch.Tensor, after: torch.Tensor, mask_id: int,
+                    block_size: int) -> torch.Tensor:
+    """bool [gen_length]: the response positions of the block(s) whose last mask was filled going
+    from ``before`` to ``after``; all False if none was."""
+    block = (prompt_len + torch.arange(after.shape[0])) // block_size
+    out = torch.zeros_like(after, dtype=torch.bool)
+    for b in block[(before == mask_id) & (after != mask_id)].unique().tolist():
+        region = block == b
+        if not bool((after[region] == mask_id).any()):
+            out |= region
+    return out
+
+
+def make_pairs(trajectories: list[Trajectory], delta: int, mask_id: int, block_size: int,
+               completed_blocks: bool = False):
+    """(trajectory index, k, region, near, distant, targets) for every k with a near or distant position;
+    with ``completed_blocks`` also (t, k, block, ∅, ∅, s_k) for each step k that completes a block."""
     pairs = []
     for t, traj in enumerate(trajectories):
-        K = len(traj.states) - 1
+        K, P = len(traj.states) - 1, len(traj.example.prompt)
         for k in range(K):
             sk, skd = traj.states[k], traj.states[min(k + delta, K)]
-            region = current_block(len(traj.example.prompt), sk, mask_id, block_size)
+            region = current_block(P, sk, mask_id, block_size)
             near, distant = partition(sk, skd, mask_id, region)
             if bool((near | distant).any()):
                 pairs.append((t, k, region, near, distant, skd))
+        for k in range(1, K + 1) if completed_blocks else ():
+            done = completed_block(P, traj.states[k - 1], traj.states[k], mask_id, block_size)
+            if bool(done.any()):
+                pairs.append((t, k, done, torch.zeros_like(done), torch.zeros_like(done), traj.states[k]))
     return pairs
 
 
@@ -138,7 +158,7 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
     teacher = teacher if teacher is not None else copy.deepcopy(student)
     teacher.eval().requires_grad_(False)
     mask_id, B = student.config.mask_token_id, student.config.block_size
-    pairs = make_pairs(trajectories, cfg.delta, mask_id, B)
+    pairs = make_pairs(trajectories, cfg.delta, mask_id, B, completed_blocks=cfg.visible_weight > 0)
     if not pairs:
         raise ValueError("TAD has no training pairs: no correct teacher trajectory was recorded")
     rng = random.Random(cfg.seed)
@@ -170,6 +190,9 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
 def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:
     """Correct reference-conditioned teacher trajectories on the training prompts of built-in tasks."""
     from arbor.train.diffusion import TASKS, task_examples
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; built-in diffusion tasks: {sorted(TASKS)}")
     out = []
     for i, task in enumerate(tasks):
         problems, examples = task_examples(tokenizer, task, per_task, seed + i, "train", teacher.config.block_size)
