@@ -115,7 +115,7 @@ def add_dllm_distill(sub) -> None:
     p.add_argument("--model", required=True, help="block-diffusion checkpoint (teacher and initial student)")
     p.add_argument("--out", required=True, help="folder for the quality/ and speed/ students")
     p.add_argument("--mode", choices=["quality", "speed", "both"], default="both")
-    p.add_argument("--per-task", type=int, default=400, help="training prompts per task for the teacher")
+    p.add_argument("--per-task", type=int, default=1000, help="training prompts per task for the teacher")
     p.add_argument("--tasks", nargs="+", help="distil on these tasks only (default: every built-in task); "
                    "one task gives students specialised to it")
     p.add_argument("--device", default="cpu")

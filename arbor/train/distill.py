@@ -38,12 +38,12 @@ QUALITY_DELTA, SPEED_DELTA = 2, 8
 @dataclass
 class TADConfig:
     delta: int = SPEED_DELTA
-    steps: int = 300
+    steps: int = 1500                    # defaults = what `arbor bench dllm` distils with
     batch_size: int = 32
     seed: int = 0
     visible_weight: float = 0.0          # w of CE on revealed block tokens; 0 = the paper's loss
     log_every: int = 50
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=20))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
 
 
 @dataclass
@@ -202,7 +202,7 @@ def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, se
 
 
 def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"), tasks=None,
-                   per_task: int = 400, device: str = "cpu", on_log=print) -> dict:
+                   per_task: int = 1000, device: str = "cpu", on_log=print) -> dict:
     """Load a block-diffusion checkpoint, record its trajectories, write one student per mode
     (``out_dir/quality`` with Δ = QUALITY_DELTA, ``out_dir/speed`` with Δ = SPEED_DELTA unless
     ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}."""
