@@ -109,9 +109,8 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
     cache = Path(cache_dir)
     base_dir = cache / f"v{DATA_VERSION}_base_b{block_size}_s{train_steps}"
     if not (base_dir / "config.json").exists():
-        cfg = DiffusionTrainConfig(steps=train_steps, batch_size=48, device=device, log_every=250,
-                                   model=DiffusionModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                                              block_size=block_size))
+        cfg = DiffusionTrainConfig(steps=train_steps, device=device, log_every=250,
+                                   model=DiffusionModelConfig(block_size=block_size))
         train_from_config(cfg, out_dir=base_dir, on_log=log)
     tok = Tokenizer.load(base_dir)
     base = load_model(base_dir, device=device).eval()

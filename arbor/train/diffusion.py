@@ -38,8 +38,8 @@ EPS = 1e-3
 @dataclass
 class DiffusionModelConfig:
     hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 4
+    intermediate_size: int = 256
+    num_hidden_layers: int = 3
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
@@ -48,10 +48,11 @@ class DiffusionModelConfig:
 
 @dataclass
 class DiffusionTrainConfig:
+    """`arbor dllm-train`'s recipe; the defaults are the base model of `arbor bench dllm`."""
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     train_per_task: int = 4000
-    steps: int = 1500
-    batch_size: int = 64
+    steps: int = 2500
+    batch_size: int = 48
     corrupt_prob: float = 0.1
     visible_weight: float = 1.0
     reference_fraction: float = 0.2
