@@ -23,6 +23,21 @@ def test_replay_reproduces_logits_exactly():
             assert not torch.equal(out.hidden, other.hidden)
 
 
+def test_replay_rows_of_minus_one_route_themselves():
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**MOE)).eval()
+    ids, attn = torch.randint(0, 64, (12,)), VarlenAttention.from_lengths([12])
+    with torch.no_grad():
+        own = model(ids, attn, return_routing=True).routed_experts
+        forced = (own + 1) % 4
+        partial = forced.clone()
+        partial[:, :5] = -1                               # the engine routed only tokens 5..11
+        got = model(ids, attn, routed_experts=partial, return_routing=True)
+        ref = model(ids, attn, routed_experts=torch.cat([own[:, :5], forced[:, 5:]], 1))
+        assert torch.equal(got.routed_experts, torch.cat([own[:, :5], forced[:, 5:]], 1))
+        assert torch.equal(got.hidden, ref.hidden)
+
+
 def test_counts_match_ids():
     ids = torch.tensor([[[0, 1], [1, 3], [1, 2]]])
     assert expert_counts(ids, 4).tolist() == [[1, 3, 1, 1]]

@@ -1,13 +1,14 @@
 """The RL loop end to end on tiny random models: token exactness, C3PO++, learning, resume."""
 
 import asyncio
+import copy
 import json
 
 import pytest
 import torch
 
 from arbor.bench.rl_setup import make_trainer
-from arbor.models import CausalLM, ModelConfig
+from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.logprobs import packed_logprobs
@@ -137,3 +138,39 @@ def test_resume_gives_the_same_metrics(tiny, tmp_path):
     for x, y in zip(ra, rb):
         for k in keys:
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (k, x["step"])
+
+
+def test_moe_trajectories_carry_and_replay_the_engine_routing(tmp_path):
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    moe = CausalLM(ModelConfig(**SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=32),
+                               eos_token_id=tok.eos_token_id)).eval()
+    cfg = config(tmp_path, c3po=C3POConfig(enabled=True, token_budget=40, capacity=6, max_age=3))
+    trainer = make_trainer(cfg, moe, tok)
+    trajs, carried = [], 0
+    for _ in range(3):   # C3PO++ interrupts turns: their routing is stitched across requests
+        trees, trainer.pool, stats = asyncio.run(trainer.collect())
+        trajs += [t for tree in trees for t in tree.trajectories()]
+        carried += stats["carried_episodes"]
+    assert trajs and carried > 0
+    for t in trajs:
+        r = t.routed_experts
+        assert r.shape == (2, len(t.tokens), 2)
+        assert (r[:, :t.prompt_len] == -1).all()                      # the prompt routes itself
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        known = (r[0] >= 0).all(-1)
+        assert not (known & ~mask).any() and known.sum() >= mask.sum() - 4
+        # float32 engine, shared weights: the engine's ids are the trainer's own routing
+        own = trainer.model(torch.tensor(t.tokens), VarlenAttention.from_lengths([len(t.tokens)]),
+                            return_routing=True).routed_experts
+        assert torch.equal(own[:, known].sort(-1).values, r[:, known].sort(-1).values)
+    sub = trajs[:4]
+    with torch.no_grad():
+        replayed, _ = trainer.logprobs(sub)
+        shuffled = [copy.copy(t) for t in sub]
+        for t in shuffled:
+            t.routed_experts = torch.where(t.routed_experts >= 0, (t.routed_experts + 1) % 4, -1)
+        assert not torch.allclose(trainer.logprobs(shuffled)[0], replayed)   # the replay is used
+    row = asyncio.run(trainer.train_step())
+    assert row["masked_frac"] == 0.0 and row["mismatch_abs"] < 1e-4

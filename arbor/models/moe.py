@@ -67,7 +67,8 @@ class MoE(nn.Module):
         self.dispatch = dispatch_experts
 
     def route(self, x: torch.Tensor, ids: torch.Tensor | None = None):
-        """→ (ids [T, k] int64, weights [T, k] in x's dtype)."""
+        """→ (ids [T, k] int64, weights [T, k] in x's dtype). Replayed ``ids`` force the experts;
+        a row holding −1 (a token the engine never routed) takes its own top-k."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         if ids is None:
             weights, ids = probs.topk(self.top_k, dim=-1)
@@ -75,6 +76,9 @@ class MoE(nn.Module):
             if ids.shape != (x.shape[0], self.top_k):
                 raise ValueError(f"replayed expert ids have shape {tuple(ids.shape)}, "
                                  f"expected {(x.shape[0], self.top_k)}")
+            free = (ids < 0).any(-1, keepdim=True)
+            if free.any():
+                ids = torch.where(free, probs.topk(self.top_k, dim=-1).indices, ids)
             weights = probs.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)

@@ -22,8 +22,20 @@ import copy
 import zlib
 from dataclasses import dataclass, field
 
+import torch
+
 from arbor.rollout.chat import env_turn_ids, prompt_ids
 from arbor.rollout.tree import Node, RolloutTree, Segment
+
+
+def _resumed_routing(before, base: int, fresh):
+    """A turn's expert ids [layers, base + n, k]: the ``base`` tokens generated before a C3PO++
+    interruption (−1 where unknown), then this request's n."""
+    if base == 0:
+        return fresh
+    if before is None:
+        before = fresh.new_full((fresh.shape[0], base, fresh.shape[2]), -1)
+    return torch.cat([before[:, :base], fresh], 1)
 
 
 @dataclass
@@ -93,8 +105,8 @@ class Collector:
                     part.tokens += fresh
                     part.logprobs += out.logprobs[len(part.logprobs) - base:len(out.token_ids)]
                     part.versions += [self.version] * len(fresh)
-                    if getattr(out, "routed_experts", None) is not None:
-                        part.routed_experts = out.routed_experts
+                    if getattr(out, "routed_experts", None) is not None:   # this request's tokens only
+                        part.routed_experts = _resumed_routing(part.routed_experts, base, out.routed_experts)
                     if out.finish_reason is not None:
                         finish = out.finish_reason
                     elif stop.is_set():

@@ -5,7 +5,9 @@ one trajectory; the leaves under one root form one GRPO group.
 Invariants: a trajectory's ``tokens`` are exactly the ids the engine saw (segments are
 concatenated, never re-tokenized); ``loss_mask``, ``logp_infer`` and ``versions`` align with
 ``tokens`` (env tokens: mask 0, logp 0, version −1); ``routed_experts`` (MoE) holds, per model
-segment, the engine's expert ids [num_moe_layers, len(segment), k].
+segment, the engine's expert ids [num_moe_layers, len(segment), k], and a trajectory's
+[num_moe_layers, len(tokens), k] aligns them with its tokens (−1 where the engine routed nothing:
+prompt and environment tokens, and the last token of a turn, which the engine never fed back).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Trajectory:
     reward: float
     group: int
     prompt_len: int
-    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None
     final_text: str = ""
 
     @property
@@ -77,16 +79,22 @@ class RolloutTree:
         tokens, mask, logp, vers, routed = [], [], [], [], []
         for node in path:
             s = node.segment
+            if s.routed_experts is not None:
+                routed.append((len(tokens), s.routed_experts))
             tokens += s.tokens
             mask += [int(s.is_model)] * len(s.tokens)
             logp += s.logprobs if s.is_model else [0.0] * len(s.tokens)
             vers += s.versions if s.is_model else [-1] * len(s.tokens)
-            if s.routed_experts is not None:
-                routed.append(s.routed_experts)
+        routing = None
+        if routed:
+            layers, _, k = routed[0][1].shape
+            routing = torch.full((layers, len(tokens), k), -1, dtype=routed[0][1].dtype)
+            for start, r in routed:
+                routing[:, start:start + r.shape[1]] = r
         leaf = path[-1]
         last_model = next((n for n in reversed(path) if n.segment.is_model), leaf)
         return Trajectory(tokens, mask, logp, vers, float(leaf.reward or 0.0), self.group,
-                          len(path[0].segment.tokens), routed, last_model.text)
+                          len(path[0].segment.tokens), routing, last_model.text)
 
     def num_tokens(self) -> tuple[int, int]:
         """(tokens over all trajectories, tokens in the tree counting each shared prefix once)."""

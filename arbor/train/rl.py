@@ -61,6 +61,7 @@ class RLConfig:
     checkpoint_every: int = 5
     resume: bool = True
     tree: bool = True            # train each group as one prefix tree (HARTS); false: trajectory-wise
+    replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
@@ -113,18 +114,25 @@ class RLTrainer:
         sizes = [build_tree([trajs[i].tokens for i in u]).num_tokens for u in units]
         return [[i for b in bin_ for i in units[b]] for bin_ in first_fit_decreasing(sizes, self.cfg.micro_tokens)]
 
-    def logprobs(self, seqs):
-        """Per-token log-probs, flat in sequence order (tree forward or packed trajectories)."""
+    def logprobs(self, trajs):
+        """Per-token log-probs, flat in trajectory order (tree forward or packed trajectories).
+        With ``replay_routing`` each MoE layer sends a model token to the experts the engine chose
+        for it, so a near-tie in top-k cannot route trainer and engine differently; tokens the
+        engine did not route (id −1: prompt, environment, a turn's last token) route themselves."""
+        seqs = [t.tokens for t in trajs]
+        routed = None
+        if self.cfg.replay_routing and trajs and all(t.routed_experts is not None for t in trajs):
+            routed = torch.cat([t.routed_experts for t in trajs], 1).to(self.model.device)
         if self.cfg.tree:
-            return tree_packed_logprobs(self.model, seqs)
-        return packed_logprobs(self.model, seqs)
+            return tree_packed_logprobs(self.model, seqs, routed_experts=routed)
+        return packed_logprobs(self.model, seqs, routed_experts=routed)
 
     def recompute_old(self, trajs) -> list[torch.Tensor]:
         """logp_old: the trainer's log-probs at θ_old, per trajectory (no gradient)."""
         out = [None] * len(trajs)
         with torch.no_grad():
             for micro in self.micro_batches(trajs):
-                logp, cu = self.logprobs([trajs[i].tokens for i in micro])
+                logp, cu = self.logprobs([trajs[i] for i in micro])
                 for j, i in enumerate(micro):
                     out[i] = logp[cu[j]:cu[j + 1]]
         return out
@@ -138,7 +146,7 @@ class RLTrainer:
         self.model.train()
         for micro in self.micro_batches(trajs):
             sub = [trajs[i] for i in micro]
-            logp, _ = self.logprobs([t.tokens for t in sub])
+            logp, _ = self.logprobs(sub)
             lengths = [len(t.tokens) for t in sub]
             loss, st = policy_loss(
                 logp, torch.cat([logp_old[i] for i in micro]).to(dev),

@@ -24,11 +24,12 @@ def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", l
         raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got '{dtype}'")
     cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len)
     engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer)
-    eos = tokenizer.eos_token_id
+    eos, moe = tokenizer.eos_token_id, bool(model.config.moe_layers)
 
     def sampling(max_tokens, temperature, top_p, seed, ignore_eos=False):
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              stop_token_ids=[] if ignore_eos else [eos], ignore_eos=ignore_eos)
+                              stop_token_ids=[] if ignore_eos else [eos], ignore_eos=ignore_eos,
+                              return_routed_experts=moe)   # MoE: trajectories carry the engine's expert ids
 
     return engine, sampling
 
