@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from arbor.models.attention import cu_seqlens_from_lengths
+from arbor.models.attention import _sdpa, cu_seqlens_from_lengths
 
 
 class KVCache:
@@ -50,13 +49,6 @@ class KVCache:
         torch.index_select(self.k[layer].view(shape), 0, blocks, out=k.view(shape))
         torch.index_select(self.v[layer].view(shape), 0, blocks, out=v.view(shape))
         return k, v
-
-
-def _sdpa(q, k, v, scale, mask=None, causal=False):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
 
 
 @dataclass

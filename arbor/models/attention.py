@@ -26,11 +26,16 @@ from arbor.models.layers import RMSNorm, apply_rope
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups)."""
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups), in q's dtype.
+    On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU flash kernel is ~4×
+    slower in reduced precision for one-query decode, and float32 only rounds once, at the output."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).to(dtype)
 
 
 def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
