@@ -18,7 +18,6 @@ reproducible whatever else the engine is doing.
 from __future__ import annotations
 
 import asyncio
-import copy
 import zlib
 from dataclasses import dataclass, field
 
@@ -145,7 +144,7 @@ class Collector:
         tasks: dict[asyncio.Task, Episode] = {}
         open_eps: dict[int, int] = {}
         trees: dict[int, RolloutTree] = {}
-        finished, done_tokens, next_group = [], 0, 0
+        finished, done_tokens = [], 0
 
         def launch(ep: Episode):
             tasks[asyncio.ensure_future(self._model_turn(ep, stop))] = ep

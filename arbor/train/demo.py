@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
 from arbor.train.rl import C3POConfig, RLConfig

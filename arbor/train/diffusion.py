@@ -130,7 +130,7 @@ class PaddedBlockAttention:
     cu_seqlens = None
 
     def __init__(self, lengths: list[int], block_size: int, device=None):
-        self.lengths, n, L = list(lengths), len(lengths), max(lengths)
+        self.lengths, L = list(lengths), max(lengths)
         pos = torch.arange(L, device=device)
         self.valid = pos[None, :] < torch.tensor(self.lengths, device=device)[:, None]      # [N, L]
         starts = torch.tensor([0] + self.lengths[:-1], device=device).cumsum(0)
