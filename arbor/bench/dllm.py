@@ -160,8 +160,7 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_
     B = per_task[tasks[0]]["base"].config.block_size
     result = {"config": {"train_steps": train_steps, "tad_steps": tad_steps, "tad_per_task": tad_per_task,
                          "tad_lr": tad_lr, "tad_scope": tad_scope, "tad_visible_weight": tad_visible_weight,
-                         "n_eval": n_eval, "block_size": B,
-                         "sweep": SWEEP}, "tasks": {}}
+                         "n_eval": n_eval, "block_size": B, "sweep": SWEEP}, "tasks": {}}
     rows, aup_rows, target_rows = [], [], []
     for task in tasks:
         models = per_task[task]
@@ -231,5 +230,4 @@ def main(args) -> None:
         torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
         tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, block_size=args.block_size,
-        tad_lr=args.tad_lr, tad_scope=args.tad_scope,
-        tad_visible_weight=args.tad_visible_weight)
+        tad_lr=args.tad_lr, tad_scope=args.tad_scope, tad_visible_weight=args.tad_visible_weight)

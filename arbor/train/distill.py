@@ -174,7 +174,9 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
         logits_s = _forward_rows(student, [tr.example.prompt for tr in trajs], states, regions)
         with torch.no_grad():
             logits_t = _forward_rows(teacher, [tr.example.reference_prompt for tr in trajs], states, regions)
-        visible = torch.cat([(tr.states[b[1]] != mask_id)[b[2]] for tr, b in zip(trajs, batch)]).to(student.device)
+        visible = None
+        if cfg.visible_weight:
+            visible = torch.cat([(tr.states[b[1]] != mask_id)[b[2]] for tr, b in zip(trajs, batch)]).to(student.device)
         parts = tad_loss(logits_s, logits_t, sel(5), sel(3), sel(4), visible, cfg.visible_weight)
         parts["loss"].backward()
         stats = optimizer_step(student, opt, step, cfg.steps, cfg.optim)
