@@ -17,6 +17,7 @@ import torch
 
 from arbor.engine.block_manager import BlockManager
 from arbor.engine.config import EngineConfig
+from arbor.engine.cpu_linear import pack_linears, repack
 from arbor.engine.model_runner import ModelRunner
 from arbor.engine.paged_attention import KVCache
 from arbor.engine.sampler import Sampler
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def _load(model_or_path, cfg: EngineConfig, tokenizer):
+    """→ (model, tokenizer, whether the engine owns the model: loaded or converted here)."""
     if isinstance(model_or_path, (str, Path)):
         from arbor.models import load_model
         folder = Path(model_or_path)
@@ -35,19 +37,21 @@ def _load(model_or_path, cfg: EngineConfig, tokenizer):
         if tokenizer is None and (folder / "tokenizer.json").exists():
             from arbor.models.tokenizer import Tokenizer
             tokenizer = Tokenizer.load(folder)
-        return model, tokenizer
+        return model.eval(), tokenizer, True
     model = model_or_path
     if model.dtype != cfg.torch_dtype or model.device != torch.device(cfg.device):
-        model = copy.deepcopy(model).to(dtype=cfg.torch_dtype, device=cfg.device)
-    return model.eval(), tokenizer
+        return copy.deepcopy(model).to(dtype=cfg.torch_dtype, device=cfg.device).eval(), tokenizer, True
+    return model.eval(), tokenizer, False
 
 
 class LLMEngine:
     def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None):
         """A module in the engine's dtype and device is served as is (weight updates then move
-        nothing); otherwise the engine keeps its own converted copy."""
+        nothing); otherwise the engine keeps its own converted copy, whose linear weights it
+        packs for oneDNN when that copy is bfloat16 on CPU (``cpu_linear``)."""
         self.config = cfg = config or EngineConfig()
-        self.model, self.tokenizer = _load(model_or_path, cfg, tokenizer)
+        self.model, self.tokenizer, owned = _load(model_or_path, cfg, tokenizer)
+        self.num_packed = pack_linears(self.model) if owned else 0
         mc = self.model.config
         has_linear = "linear_attention" in mc.layer_types
         n_attn = sum(t == "full_attention" for t in mc.layer_types)
@@ -199,6 +203,8 @@ class LLMEngine:
                 raise ValueError(f"update_weights: '{name}' has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             if p.data_ptr() != tensor.data_ptr():
                 p.copy_(tensor)
+        if self.num_packed:
+            repack(self.model)
         self.block_manager.reset_prefix_cache()
         dt = time.perf_counter() - t0
         log.info("update_weights: %.3f s", dt)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arbor.engine import cpu_attention
 from arbor.models.attention import _sdpa, cu_seqlens_from_lengths
 
 
@@ -88,6 +89,7 @@ class PagedAttention:
     num_decodes: int
     decodes: list[DecodeGroup]
     chunks: list[Chunk]
+    decode_kernel: tuple[torch.Tensor, torch.Tensor] | None = None   # (block tables [nd, W], contexts [nd]) int32
 
     @classmethod
     def build(cls, cache: KVCache, layer_map, block_tables: list[list[int]], starts: list[int], lengths: list[int],
@@ -100,11 +102,16 @@ class PagedAttention:
         nd = 0
         while nd < len(lengths) and lengths[nd] == 1:
             nd += 1
-        groups = []
+        groups, kernel = [], None
         if nd:
             ctx = [c + 1 for c in starts[:nd]]
             if any(a < b for a, b in zip(ctx, ctx[1:])):
                 raise ValueError("decodes must come sorted by decreasing context length")
+        if nd and cpu_attention.supports(device, cache.k.dtype):
+            width = -(-ctx[0] // bs)
+            tables = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[:nd]]
+            kernel = (torch.tensor(tables, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32))
+        elif nd:
             for g0, cnt in decode_groups(ctx):
                 width = -(-ctx[g0] // bs)
                 tables = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[g0:g0 + cnt]]
@@ -121,7 +128,7 @@ class PagedAttention:
             chunks.append(Chunk(t, n, c, blocks, mask))
             t += n
         return cls(cache, layer_map, torch.tensor(slots, device=device), cu_seqlens_from_lengths(lengths, device),
-                   nd, groups, chunks)
+                   nd, groups, chunks, kernel)
 
     def attend(self, layer_idx, q, k, v, scale):
         a = self.layer_map[layer_idx]
@@ -129,6 +136,9 @@ class PagedAttention:
         kc.index_copy_(0, self.slot_mapping, k)
         vc.index_copy_(0, self.slot_mapping, v)
         outs = []
+        if self.decode_kernel is not None:
+            outs.append(cpu_attention.paged_decode_attention(q[:self.num_decodes], kc, vc, *self.decode_kernel,
+                                                             self.cache.block_size, scale))
         for g in self.decodes:
             keys, values = self.cache.gather_blocks(a, g.blocks)
             shape = (g.count, -1, *k.shape[1:])

@@ -1,0 +1,98 @@
+"""The CPU fast paths of the engine: the C paged decode-attention kernel against gather + SDPA,
+and oneDNN-packed bfloat16 linears against plain ones (also after ``update_weights``)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
+from arbor.engine.cpu_linear import PackedLinear, available as packing_available
+from arbor.models import CausalLM, ModelConfig
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_kernel = pytest.mark.skipif(cpu_attention.load_kernel() is None, reason="no C compiler to build the kernel")
+
+
+def reference(q, kc, vc, tables, lens, bs, scale):
+    """float64 attention of each query over the slots its block table names."""
+    outs = []
+    for b, n in enumerate(lens.tolist()):
+        slots = torch.tensor([tables[b, t // bs].item() * bs + t % bs for t in range(n)])
+        k, v = kc[slots].double(), vc[slots].double()                        # [n, Hkv, D]
+        outs.append(F.scaled_dot_product_attention(q[b, :, None].double(), k.transpose(0, 1), v.transpose(0, 1),
+                                                   scale=scale, enable_gqa=True)[:, 0])
+    return torch.stack(outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (2, 2, 8), (8, 1, 128)])
+def test_kernel_matches_attention_over_the_block_table(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    bs, blocks, width = 16, 40, 5
+    kc = torch.randn(blocks * bs, kv_heads, head_dim).to(dtype)
+    vc = torch.randn(blocks * bs, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([80, 77, 33, 16, 1, 17], dtype=torch.int32)        # full, ragged, one key
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens]).to(torch.int32)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale)
+    ref = reference(q, kc, vc, tables, lens, bs, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    else:   # float32 math, one rounding at the output: within one bfloat16 step of the exact value
+        assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(**TINY)
+    return CausalLM(cfg).eval()
+
+
+def greedy(engine, prompts, n=10):
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+PROMPTS = [[1, 2, 3], list(range(5, 45)), list(range(60, 77)), [9] * 20]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_decodes_the_same_with_and_without_the_kernel(dtype, monkeypatch):
+    model = tiny_model()
+    cfg = EngineConfig(dtype=dtype, num_blocks=64)
+    with_kernel = greedy(LLMEngine(model, cfg), PROMPTS)
+    calls = []
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a: calls.append(1))
+    monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    without = greedy(LLMEngine(model, cfg), PROMPTS)
+    assert not calls
+    assert with_kernel[0] == without[0]
+    tol = 1e-5 if dtype == "float32" else 0.05
+    for a, b in zip(with_kernel[1], without[1]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=tol, rtol=0)
+
+
+@pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
+    model = tiny_model()
+    engine = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert engine.num_packed == len(linears) > 0 and all(isinstance(m, PackedLinear) for m in linears)
+    assert not any("packed" in k for k in engine.model.state_dict())        # names as before
+    x = torch.randn(5, TINY["hidden_size"]).bfloat16()
+    lin = engine.model.model.layers[0].mlp.gate_proj
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
+    shared = LLMEngine(engine.model, EngineConfig(dtype="bfloat16", num_blocks=64))   # not its copy: unpacked
+    assert shared.num_packed == 0
+
+    with torch.no_grad():                                                     # a training step's worth of change
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.update_weights(model.state_dict())
+    fresh = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))
+    assert greedy(engine, PROMPTS) == greedy(fresh, PROMPTS)
