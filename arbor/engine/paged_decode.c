@@ -26,6 +26,18 @@ static inline __attribute__((always_inline)) void load(const void *base, long of
     }
 }
 
+#ifndef AHEAD
+#define AHEAD 16   /* rows ahead: one block of the default size */
+#endif
+/* Asks for key/value row t ahead of its use: rows jump between blocks, which hardware
+   prefetchers do not follow. */
+static inline void prefetch_row(const void *cache, const int32_t *table, int t, int block_size, int num_kv_heads,
+                                int h, int D, int bf16) {
+    long slot = (long)table[t / block_size] * block_size + t % block_size;
+    const char *p = (const char *)cache + (slot * num_kv_heads + h) * D * (bf16 ? 2 : 4);
+    for (int off = 0; off < D * (bf16 ? 2 : 4); off += 64) __builtin_prefetch(p + off);
+}
+
 /* One (sequence, kv head): its G query heads against keys 0..n-1. D is a compile-time constant
    at the call sites below, so the head-sized loops unroll into registers. */
 static inline __attribute__((always_inline)) void attend_head(
@@ -40,6 +52,7 @@ static inline __attribute__((always_inline)) void attend_head(
     }
     for (int t = 0; t < n; t++) {
         long slot = (long)table[t / block_size] * block_size + t % block_size;
+        if (t + AHEAD < n) prefetch_row(k_cache, table, t + AHEAD, block_size, num_kv_heads, h, D, bf16);
         load(k_cache, (slot * num_kv_heads + h) * D, bf16, D, row);
         for (int g = 0; g < G; g++) {
             float s = 0.f;
@@ -57,6 +70,7 @@ static inline __attribute__((always_inline)) void attend_head(
     }
     for (int t = 0; t < n; t++) {
         long slot = (long)table[t / block_size] * block_size + t % block_size;
+        if (t + AHEAD < n) prefetch_row(v_cache, table, t + AHEAD, block_size, num_kv_heads, h, D, bf16);
         load(v_cache, (slot * num_kv_heads + h) * D, bf16, D, row);
         for (int g = 0; g < G; g++) {
             float pt = p[g * n + t];
