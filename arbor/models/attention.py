@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.models.layers import RMSNorm, apply_rope
+from arbor.models.layers import RMSNorm, apply_rope, rms_norm
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):
@@ -166,6 +166,13 @@ class SoftmaxAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
 
+    def norm_and_rotate(self, q, k, cos, sin):
+        """q_norm / k_norm, then RoPE, as one norm and one rotation over the heads of both."""
+        hq, hk, d = q.shape[1], k.shape[1], self.head_dim
+        weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)))
+        qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)
+        return apply_rope(qk, cos, sin).split((hq, hk), 1)
+
     def forward(self, x, cos, sin, attn):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, -1)
@@ -173,8 +180,7 @@ class SoftmaxAttention(nn.Module):
             q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        q, k = self.norm_and_rotate(q, k, cos, sin)
         out = attn.attend(self.layer_idx, q, k, v, self.scale).reshape(t, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(t, -1))

@@ -15,6 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """The RMSNorm above over x's last dim; ``weight`` broadcasts over x's trailing dims ([D], or
+    [H, D] for one weight per head)."""
+    if x.dtype == torch.float32 and not zero_centred and weight.dim() == 1:   # one fused call, bit-identical here
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = F.rms_norm(x.float(), x.shape[-1:], None, eps)
+    if zero_centred:
+        return (xf * (1.0 + weight.float())).type_as(x)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, zero_centred: bool = False):
         super().__init__()
@@ -23,12 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not self.zero_centred:   # one fused call, bit-identical here
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        if self.zero_centred:
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.zero_centred)
 
 
 class Rotary:
