@@ -35,7 +35,7 @@ def test_kernel_matches_attention_over_the_block_table(dtype, heads, kv_heads, h
     vc = torch.randn(blocks * bs, kv_heads, head_dim).to(dtype)
     lens = torch.tensor([80, 77, 33, 16, 1, 17], dtype=torch.int32)        # full, ragged, one key
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in lens]).to(torch.int32)
-    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    q = torch.randn(len(lens), heads + 2, head_dim).to(dtype)[:, :heads]    # rows spaced apart, as the model's q
     scale = head_dim ** -0.5
     out = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens, bs, scale)
     ref = reference(q, kc, vc, tables, lens, bs, scale)

@@ -59,7 +59,7 @@ def load_kernel():
         log.warning("could not build the CPU decode-attention kernel (%s); using the PyTorch path", detail)
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.argtypes = [ptr, ctypes.c_long, ptr, ptr, ptr, i32, ptr, i32, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = None
     return fn
 
@@ -69,13 +69,14 @@ def supports(device, dtype) -> bool:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
-    """q [B, Hq, D]; k/v_cache [slots, Hkv, D] (same dtype as q); block_tables [B, W] int32 (rows
+    """q [B, Hq, D] (rows may be strided); k/v_cache [slots, Hkv, D] (same dtype as q); block_tables [B, W] int32 (rows
     padded with any block); context_lens [B] int32 → [B, Hq, D]: softmax(scale · q kᵀ) v over
     keys 0..context_lens[b]−1 of each sequence."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
     B, H, D = q.shape
-    load_kernel()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), int(q.dtype == torch.bfloat16),
+    if q.stride(2) != 1 or q.stride(1) != D:   # rows may be spaced (views of a wider tensor), heads not
+        q = q.contiguous()
+    out = torch.empty(B, H, D, dtype=q.dtype)
+    load_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), int(q.dtype == torch.bfloat16),
                   block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), B, H, k_cache.shape[1], D,
                   block_size, scale, torch.get_num_threads())
     return out

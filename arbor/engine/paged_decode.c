@@ -42,10 +42,11 @@ static inline void prefetch_row(const void *cache, const int32_t *table, int t, 
    at the call sites below, so the head-sized loops unroll into registers. */
 static inline __attribute__((always_inline)) void attend_head(
         const void *q, const void *k_cache, const void *v_cache, void *out, int bf16, const int32_t *table, int n,
-        int b, int h, int num_heads, int num_kv_heads, int G, const int D, int block_size, float scale, float *p) {
+        long q_stride, int b, int h, int num_heads, int num_kv_heads, int G, const int D, int block_size, float scale,
+        float *p) {
     float qf[G][D], acc[G][D], row[D], mx[G], z[G];
     for (int g = 0; g < G; g++) {
-        load(q, ((long)b * num_heads + h * G + g) * D, bf16, D, qf[g]);
+        load(q, (long)b * q_stride + (long)(h * G + g) * D, bf16, D, qf[g]);
         for (int i = 0; i < D; i++) { qf[g][i] *= scale; acc[g][i] = 0.f; }
         mx[g] = -FLT_MAX;
         z[g] = 0.f;
@@ -86,7 +87,7 @@ static inline __attribute__((always_inline)) void attend_head(
     }
 }
 
-void paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out, int bf16,
+void paged_decode_attention(const void *q, long q_stride, const void *k_cache, const void *v_cache, void *out, int bf16,
                             const int32_t *block_tables, int table_width, const int32_t *context_lens,
                             int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                             float scale, int num_threads) {
@@ -98,11 +99,11 @@ void paged_decode_attention(const void *q, const void *k_cache, const void *v_ca
             const int32_t *table = block_tables + (long)b * table_width;
             float *p = malloc(sizeof(float) * (size_t)G * n);
             if (head_dim == 64)
-                attend_head(q, k_cache, v_cache, out, bf16, table, n, b, h, num_heads, num_kv_heads, G, 64, block_size, scale, p);
+                attend_head(q, k_cache, v_cache, out, bf16, table, n, q_stride, b, h, num_heads, num_kv_heads, G, 64, block_size, scale, p);
             else if (head_dim == 128)
-                attend_head(q, k_cache, v_cache, out, bf16, table, n, b, h, num_heads, num_kv_heads, G, 128, block_size, scale, p);
+                attend_head(q, k_cache, v_cache, out, bf16, table, n, q_stride, b, h, num_heads, num_kv_heads, G, 128, block_size, scale, p);
             else
-                attend_head(q, k_cache, v_cache, out, bf16, table, n, b, h, num_heads, num_kv_heads, G, head_dim, block_size, scale, p);
+                attend_head(q, k_cache, v_cache, out, bf16, table, n, q_stride, b, h, num_heads, num_kv_heads, G, head_dim, block_size, scale, p);
             free(p);
         }
     }

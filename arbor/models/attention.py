@@ -17,6 +17,7 @@ token order) is what linear-attention layers read; a kind without it cannot run 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,9 @@ def _sdpa(q, k, v, scale, mask=None, causal=False):
 
 
 def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
-    lengths = torch.as_tensor(lengths, dtype=torch.int64, device=device)
-    return F.pad(lengths.cumsum(0), (1, 0))
+    if isinstance(lengths, torch.Tensor):
+        return F.pad(lengths.to(device=device, dtype=torch.int64).cumsum(0), (1, 0))
+    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64, device=device)
 
 
 @dataclass

@@ -43,12 +43,17 @@ class Rotary:
     def __init__(self, rotary_dim: int, base: float):
         self.rotary_dim = rotary_dim
         self.base = base
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device)
+            self._inv_freq[device] = 1.0 / (self.base ** (exponent.float() / self.rotary_dim))
+        return self._inv_freq[device]
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] → (cos, sin), each [T, rotary_dim]."""
-        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=positions.device)
-        inv_freq = 1.0 / (self.base ** (exponent.float() / self.rotary_dim))
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
