@@ -174,3 +174,34 @@ def test_moe_trajectories_carry_and_replay_the_engine_routing(tmp_path):
         assert not torch.allclose(trainer.logprobs(shuffled)[0], replayed)   # the replay is used
     row = asyncio.run(trainer.train_step())
     assert row["masked_frac"] == 0.0 and row["mismatch_abs"] < 1e-4
+
+
+def test_moe_aux_coef_adds_the_load_balancing_loss(tmp_path):
+    from arbor.train.tree_forward import tree_packed_logprobs
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    moe = CausalLM(ModelConfig(**SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=32),
+                               eos_token_id=tok.eos_token_id)).eval()
+    trainer = make_trainer(config(tmp_path), moe, tok)
+    moe = trainer.model
+    trees, _, _ = asyncio.run(trainer.collect())
+    trajs = [t for tree in trees for t in tree.trajectories()]
+    logp_old = trainer.recompute_old(trajs)
+    start = copy.deepcopy(moe.state_dict())
+    gates = {}
+    for coef in (0.0, 1.0):
+        moe.load_state_dict(start)
+        trainer.optimizer.state.clear()
+        trainer.cfg.moe_aux_coef = coef
+        if coef:
+            with torch.no_grad():
+                micros = [[trajs[i] for i in m] for m in trainer.micro_batches(trajs)]
+                want = [(tree_packed_logprobs(moe, [t.tokens for t in g], routed_experts=torch.cat(
+                    [t.routed_experts for t in g], 1), with_aux=True)[2], len(g)) for g in micros]
+        stats = trainer.train_on(trajs, logp_old)
+        assert ("moe_aux" in stats) == bool(coef)
+        gates[coef] = moe.model.layers[0].mlp.gate.weight.detach().clone()
+    # the stat is the sample-weighted mean of the micro-batches' losses
+    assert stats["moe_aux"] == pytest.approx(sum(float(a) * n for a, n in want) / len(trajs), rel=1e-4)
+    assert not torch.allclose(gates[0.0], gates[1.0])

@@ -34,6 +34,23 @@ def test_tree_sft_equals_packed_sft():
         torch.testing.assert_close(pa, pb, atol=2e-5, rtol=0, msg=name)
 
 
+def test_moe_sft_with_the_load_balancing_loss_trains_the_same_as_a_tree():
+    tok, ex = examples(32)
+    torch.manual_seed(0)
+    a = CausalLM(ModelConfig(**SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32), eos_token_id=tok.eos_token_id))
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
+    cfg = dict(steps=2, batch_tokens=1000, micro_tokens=600, log_every=1, optim=OptimConfig(lr=1e-3, warmup_steps=0))
+    ha = sft(a, ex, SFTConfig(tree=True, moe_aux_coef=0.5, **cfg))
+    hb = sft(b, ex, SFTConfig(tree=False, moe_aux_coef=0.5, **cfg))
+    hc = sft(c, ex, SFTConfig(tree=True, **cfg))
+    assert 0.9 < ha[0]["moe_aux"] < 2 and abs(ha[-1]["moe_aux"] - hb[-1]["moe_aux"]) < 1e-5 and "moe_aux" not in hc[0]
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=2e-5, rtol=0, msg=name)
+    gate = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(dict(a.named_parameters())[gate], dict(c.named_parameters())[gate])
+
+
 def test_sft_lowers_the_loss():
     tok, ex = examples()
     torch.manual_seed(0)

@@ -121,7 +121,7 @@ def test_group_trajectories_keeps_order():
 
 
 def test_moe_aux_loss_with_multiplicities_equals_expanded():
-    from arbor.train.tree_forward import moe_aux_loss
+    from arbor.train.losses import moe_aux_loss
     (row,), _ = build_rows([random_group(3)], token_cap=1000)
     gen = torch.Generator().manual_seed(0)
     probs = torch.randn(row.num_tokens, 6, generator=gen).softmax(-1)

@@ -215,3 +215,24 @@ def test_hybrid_on_any_tree_order():
             path = [0, 1, 2, 3] + branch
             alone = model.logits(model(ids[path], VarlenAttention.from_lengths([len(path)])).hidden)
             assert (tree[path] - alone).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["moe", "hybrid"])
+def test_moe_aux_loss_of_a_tree_equals_trajectory_wise(kind):
+    """The load-balancing loss counts a shared token once per trajectory through it (semantic
+    multiplicities): its value and its gradient equal those of the trajectories packed one by one."""
+    from arbor.train.logprobs import packed_logprobs
+    from arbor.train.tree_forward import tree_packed_logprobs
+    model, seqs = model_of(CFGS[kind]), groups_of()[0]
+    grads, values = [], []
+    for fn in (tree_packed_logprobs, packed_logprobs):
+        model.zero_grad()
+        _, _, aux = fn(model, seqs, with_aux=True)
+        aux.backward()
+        values.append(aux.item())
+        grads.append(torch.cat([layer.mlp.gate.weight.grad.flatten() for layer in model.model.layers if layer.is_moe]))
+    assert values[0] > 0.9 and values[0] == pytest.approx(values[1], rel=1e-5)   # ≈ 1 when balanced
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    out = model(torch.tensor(seqs[0]), VarlenAttention.from_lengths([len(seqs[0])]), return_router_probs=True)
+    assert out.router_probs.shape[:2] == out.routed_experts.shape[:2] == (len(model.config.moe_layers), len(seqs[0]))
+    assert torch.allclose(out.router_probs.sum(-1), torch.ones(()))

@@ -7,7 +7,8 @@ checkpoints map one to one.
 
 All inputs are packed: ``input_ids [T]`` holds the tokens of every sequence of the call, and
 ``attn`` (see ``arbor.models.attention``) says who sees whom. Linear-attention layers take and
-return one recurrent state per sequence; MoE layers can return and replay routed expert ids.
+return one recurrent state per sequence; MoE layers can return and replay routed expert ids and
+return their router probabilities (for a load-balancing loss).
 On tree metadata (anything with ``parents``) linear-attention layers run by
 ``arbor.models.tree_linear`` and return no state.
 """
@@ -33,6 +34,7 @@ class ModelOutput:
     hidden: torch.Tensor                          # [T, D] after the final norm
     states: list[LinearState | None] | None       # per layer; None for softmax layers
     routed_experts: torch.Tensor | None           # [num_moe_layers, T, k] when asked
+    router_probs: torch.Tensor | None = None      # [num_moe_layers, T, E] float32 when asked
 
 
 class DecoderLayer(nn.Module):
@@ -51,6 +53,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.is_next)
 
     def forward(self, x, cos, sin, attn, state=None, ids=None):
+        """→ (x, linear-attention state or None, routed ids or None, router probs or None)."""
         h = self.input_layernorm(x)
         if self.is_linear and getattr(attn, "parents", None) is not None:
             plan = linear_plan_for(attn, self.linear_attn.chunk_size)
@@ -64,11 +67,12 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, attn)
         x = x + h
         h = self.post_attention_layernorm(x)
+        probs = None
         if self.is_moe:
-            h, ids = self.mlp(h, ids)
+            h, ids, probs = self.mlp(h, ids)
         else:
             h = self.mlp(h)
-        return x + h, state, ids
+        return x + h, state, ids, probs
 
 
 class Backbone(nn.Module):
@@ -107,7 +111,7 @@ class CausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def forward(self, input_ids, attn, positions=None, states=None, routed_experts=None,
-                return_routing=False) -> ModelOutput:
+                return_routing=False, return_router_probs=False) -> ModelOutput:
         """input_ids [T]; positions [T] (default: ``attn.positions()``); states: per-layer
         LinearState (None = start of sequence); routed_experts [num_moe_layers, T, k] to replay."""
         if input_ids.dim() != 1:
@@ -118,22 +122,24 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         layers = self.model.layers
         new_states = [None] * len(layers)
-        routed, m = [], 0
+        routed, probs, m = [], [], 0
         for i, layer in enumerate(layers):
             state = states[i] if states is not None else None
             ids = routed_experts[m] if (routed_experts is not None and layer.is_moe) else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x, new_states[i], ids = checkpoint(layer, x, cos, sin, attn, state, ids, use_reentrant=False)
+                x, new_states[i], ids, p = checkpoint(layer, x, cos, sin, attn, state, ids, use_reentrant=False)
             else:
-                x, new_states[i], ids = layer(x, cos, sin, attn, state, ids)
+                x, new_states[i], ids, p = layer(x, cos, sin, attn, state, ids)
             if layer.is_moe:
                 routed.append(ids)
+                probs.append(p)
                 m += 1
         has_linear = any(layer.is_linear for layer in layers)
         return ModelOutput(
             hidden=self.model.norm(x),
             states=new_states if has_linear else None,
-            routed_experts=torch.stack(routed) if (return_routing and routed) else None)
+            routed_experts=torch.stack(routed) if ((return_routing or return_router_probs) and routed) else None,
+            router_probs=torch.stack(probs) if (return_router_probs and probs) else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

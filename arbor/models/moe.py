@@ -67,8 +67,9 @@ class MoE(nn.Module):
         self.dispatch = dispatch_experts
 
     def route(self, x: torch.Tensor, ids: torch.Tensor | None = None):
-        """→ (ids [T, k] int64, weights [T, k] in x's dtype). Replayed ``ids`` force the experts;
-        a row holding −1 (a token the engine never routed) takes its own top-k."""
+        """→ (ids [T, k] int64, weights [T, k] in x's dtype, router probabilities [T, E] float32).
+        Replayed ``ids`` force the experts; a row holding −1 (a token the engine never routed)
+        takes its own top-k."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         if ids is None:
             weights, ids = probs.topk(self.top_k, dim=-1)
@@ -82,15 +83,15 @@ class MoE(nn.Module):
             weights = probs.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(x.dtype), probs
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):
-        """x [T, D] → (y [T, D], routed ids [T, k])."""
-        ids, weights = self.route(x, ids)
+        """x [T, D] → (y [T, D], routed ids [T, k], router probabilities [T, E] float32)."""
+        ids, weights, probs = self.route(x, ids)
         y = self.dispatch(x, ids, weights, self.experts)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y, ids
+        return y, ids, probs
 
 
 def expert_counts(ids: torch.Tensor, num_experts: int, multiplicity: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from arbor.models import VarlenAttention
+from arbor.train.losses import router_aux_loss
 
 
 def gather_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -22,16 +23,20 @@ def gather_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: i
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
-def packed_logprobs(model, seqs: list[list[int]], device=None, routed_experts=None):
-    """→ (logp [T] float32, cu_seqlens [N+1]) for the sequences packed in order."""
+def packed_logprobs(model, seqs: list[list[int]], device=None, routed_experts=None, with_aux: bool = False):
+    """→ (logp [T] float32, cu_seqlens [N+1]) for the sequences packed in order, and with
+    ``with_aux`` the MoE load-balancing loss (``losses.router_aux_loss``) over their tokens."""
     device = device or model.device
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
     attn = VarlenAttention.from_lengths([len(s) for s in seqs], device=device)
-    hidden = model(ids, attn, routed_experts=routed_experts).hidden
+    out = model(ids, attn, routed_experts=routed_experts, return_router_probs=with_aux)
+    hidden = out.hidden
     # predict token t+1 from position t; the first token of each sequence gets 0
     starts = attn.cu_seqlens[:-1]
     nxt = torch.roll(ids, -1)
     logp_next = gather_logprobs(model, hidden, nxt)
     logp = torch.roll(logp_next, 1)
     logp[starts] = 0.0
+    if with_aux:
+        return logp, attn.cu_seqlens, router_aux_loss(out.router_probs, out.routed_experts)
     return logp, attn.cu_seqlens

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from arbor.models import expert_counts
+
 
 @dataclass
 class LossConfig:
@@ -85,3 +87,29 @@ def policy_loss(logp, logp_old, logp_infer, advantages, mask, seq_index, num_seq
             "tokens": float(mask.sum()),
         }
     return loss, stats
+
+
+def moe_aux_loss(probs: torch.Tensor, ids: torch.Tensor, multiplicity: torch.Tensor) -> torch.Tensor:
+    """Switch-style load-balancing loss with semantic multiplicities, for router probabilities
+    probs [T, E] (float) and routed ids [T, k] of one MoE layer on compact tokens:
+
+        f_e = Σ_i m_i · #{j: ids_ij = e} / (k · Σ_i m_i),   P_e = Σ_i m_i · p_ie / Σ_i m_i,
+        L = E · Σ_e f_e · P_e
+
+    — the value trajectory-wise training gets over all trajectories' tokens."""
+    m = multiplicity.to(probs.dtype)
+    E, k = probs.shape[1], ids.shape[1]
+    f = expert_counts(ids, E, multiplicity).to(probs.dtype) / (k * m.sum())
+    P = (m[:, None] * probs).sum(0) / m.sum()
+    return E * (f * P).sum()
+
+
+def router_aux_loss(router_probs: torch.Tensor | None, routed_experts: torch.Tensor | None,
+                    multiplicity: torch.Tensor | None = None) -> torch.Tensor:
+    """``moe_aux_loss`` averaged over MoE layers: router_probs [layers, T, E], routed_experts
+    [layers, T, k] (what the forward returned), multiplicity [T] (default 1 per token). A dense
+    model (no MoE layers) → 0."""
+    if router_probs is None:
+        return torch.zeros(())
+    m = multiplicity if multiplicity is not None else torch.ones(router_probs.shape[1], device=router_probs.device)
+    return torch.stack([moe_aux_loss(p, i, m) for p, i in zip(router_probs, routed_experts)]).mean()

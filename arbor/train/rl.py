@@ -62,6 +62,7 @@ class RLConfig:
     resume: bool = True
     tree: bool = True            # train each group as one prefix tree (HARTS); false: trajectory-wise
     replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
+    moe_aux_coef: float = 0.0    # MoE: weight of the load-balancing loss (tree tokens count multiplicity times)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
@@ -114,7 +115,7 @@ class RLTrainer:
         sizes = [build_tree([trajs[i].tokens for i in u]).num_tokens for u in units]
         return [[i for b in bin_ for i in units[b]] for bin_ in first_fit_decreasing(sizes, self.cfg.micro_tokens)]
 
-    def logprobs(self, trajs):
+    def logprobs(self, trajs, with_aux: bool = False):
         """Per-token log-probs, flat in trajectory order (tree forward or packed trajectories).
         With ``replay_routing`` each MoE layer sends a model token to the experts the engine chose
         for it, so a near-tie in top-k cannot route trainer and engine differently; tokens the
@@ -124,8 +125,8 @@ class RLTrainer:
         if self.cfg.replay_routing and trajs and all(t.routed_experts is not None for t in trajs):
             routed = torch.cat([t.routed_experts for t in trajs], 1).to(self.model.device)
         if self.cfg.tree:
-            return tree_packed_logprobs(self.model, seqs, routed_experts=routed)
-        return packed_logprobs(self.model, seqs, routed_experts=routed)
+            return tree_packed_logprobs(self.model, seqs, routed_experts=routed, with_aux=with_aux)
+        return packed_logprobs(self.model, seqs, routed_experts=routed, with_aux=with_aux)
 
     def recompute_old(self, trajs) -> list[torch.Tensor]:
         """logp_old: the trainer's log-probs at θ_old, per trajectory (no gradient)."""
@@ -143,10 +144,11 @@ class RLTrainer:
         adv = group_advantages(rewards, torch.tensor([t.group for t in trajs]), self.cfg.advantage,
                                self.cfg.normalize_std)
         stats, n = {}, len(trajs)
+        aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
         self.model.train()
         for micro in self.micro_batches(trajs):
             sub = [trajs[i] for i in micro]
-            logp, _ = self.logprobs(sub)
+            logp, _, *aux = self.logprobs(sub, with_aux=aux_coef > 0)
             lengths = [len(t.tokens) for t in sub]
             loss, st = policy_loss(
                 logp, torch.cat([logp_old[i] for i in micro]).to(dev),
@@ -155,6 +157,9 @@ class RLTrainer:
                 torch.tensor(flat(sub, "loss_mask"), device=dev),
                 torch.repeat_interleave(torch.tensor(micro, device=dev), torch.tensor(lengths, device=dev)),
                 n, self.cfg.loss)
+            if aux:   # this micro-batch's share of the step's sample mean
+                loss = loss + aux_coef * aux[0] * len(micro) / n
+                stats["moe_aux"] = stats.get("moe_aux", 0.0) + float(aux[0].detach()) * len(micro) / n
             loss.backward()
             w = st.pop("tokens")
             for k, v in st.items():

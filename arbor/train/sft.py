@@ -2,7 +2,9 @@
 
 loss = − Σ_t m_t · log π(x_t | x_<t) / Σ_t m_t over each step's batch (token mean), with
 batches drawn by a seeded sampler until ``batch_tokens`` tokens, packed into micro-batches of
-at most ``micro_tokens`` tokens (gradient accumulation keeps the token mean exact).
+at most ``micro_tokens`` tokens (gradient accumulation keeps the token mean exact). MoE models
+add ``moe_aux_coef`` × the load-balancing loss of each micro-batch, weighted by its share of the
+batch's tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class SFTConfig:
     seed: int = 0
     log_every: int = 20
     tree: bool = True              # each micro-batch as one prefix tree (shared prompts computed once)
+    moe_aux_coef: float = 0.0      # MoE: weight of the load-balancing loss (HF Qwen3-MoE uses 0.001)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=20))
 
 
@@ -47,19 +50,27 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
     opt = make_optimizer(model, cfg.optim)
     model.train()
     history = []
+    aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
     for step in range(cfg.steps):
         batch = draw_batch(rng, examples, cfg.batch_tokens)
         n_tokens = sum(sum(examples[i][1]) for i in batch)
-        loss_sum = 0.0
+        all_tokens = sum(len(examples[i][0]) for i in batch)
+        loss_sum, aux_sum = 0.0, 0.0
         for micro in first_fit_decreasing([len(examples[i][0]) for i in batch], cfg.micro_tokens):
             seqs = [examples[batch[j]][0] for j in micro]
             mask = torch.tensor([m for j in micro for m in examples[batch[j]][1]], dtype=torch.float32,
                                 device=model.device)
-            logp, _ = (tree_packed_logprobs if cfg.tree else packed_logprobs)(model, seqs)
+            logp, _, *aux = (tree_packed_logprobs if cfg.tree else packed_logprobs)(model, seqs, with_aux=aux_coef > 0)
             loss = -(logp * mask).sum() / max(1, n_tokens)
+            if aux:
+                share = sum(len(s) for s in seqs) / all_tokens
+                loss = loss + aux_coef * aux[0] * share
+                aux_sum += float(aux[0].detach()) * share
             loss.backward()
             loss_sum += float(loss.detach())
         stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim)
+        if aux_coef:
+            stats["moe_aux"] = aux_sum
         stop = until is not None and until(step)
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
             row = {"step": step, "loss": loss_sum, **stats}

@@ -26,6 +26,7 @@ from arbor.models import TreeAttention, expert_counts
 from arbor.models.attention import _sdpa
 from arbor.models.tree_linear import Segments, segment_depths, tree_segments
 from arbor.train.logprobs import gather_logprobs, packed_logprobs
+from arbor.train.losses import router_aux_loss
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.tree_batch import TreeBatch, TreeConfig, build_rows
 
@@ -88,18 +89,22 @@ class RowOutput:
     logp: torch.Tensor                   # [T] compact per-token log-probs, float32
     per_trajectory: list[torch.Tensor]   # aligned with row.traj_ids, each [L_j]
     routed_experts: torch.Tensor | None  # [num_moe_layers, T, k] when asked
+    aux: torch.Tensor | None = None      # MoE load-balancing loss (semantic multiplicities) when asked
 
 
 def row_logprobs(model, row: TreeBatch, cfg: TreeConfig = TreeConfig(), replay_routing: bool = True,
-                 return_routing: bool = False) -> RowOutput:
-    """Forward one tree row. replay_routing: force the row's recorded expert ids if it has any."""
+                 return_routing: bool = False, with_aux: bool = False) -> RowOutput:
+    """Forward one tree row. replay_routing: force the row's recorded expert ids if it has any.
+    with_aux: also the row's ``router_aux_loss``, each compact token counted multiplicity times."""
     row = row.to(model.device)
     attn = row_attention(row, cfg)
     routed = row.routed_experts if replay_routing else None
-    out = model(row.tokens, attn, positions=row.positions, routed_experts=routed, return_routing=return_routing)
+    out = model(row.tokens, attn, positions=row.positions, routed_experts=routed, return_routing=return_routing,
+                return_router_probs=with_aux)
     logp = gather_logprobs(model, out.hidden[row.parents.clamp(min=0)], row.tokens)
     logp = torch.where(row.parents >= 0, logp, torch.zeros_like(logp))
-    return RowOutput(logp, [logp[idx] for idx in row.traj_index], out.routed_experts)
+    aux = router_aux_loss(out.router_probs, out.routed_experts, row.multiplicity) if with_aux else None
+    return RowOutput(logp, [logp[idx] for idx in row.traj_index], out.routed_experts, aux)
 
 
 def tree_logprobs(model, rows: list[TreeBatch], num_trajectories: int, cfg: TreeConfig = TreeConfig()) -> list[torch.Tensor]:
@@ -133,9 +138,10 @@ def batch_logprobs(model, groups: list[list[list[int]]], cfg: TreeConfig = TreeC
 
 
 def tree_packed_logprobs(model, seqs: list[list[int]], device=None, routed_experts=None,
-                         cfg: TreeConfig = TreeConfig()):
+                         cfg: TreeConfig = TreeConfig(), with_aux: bool = False):
     """Drop-in for ``logprobs.packed_logprobs`` computed on one prefix tree of all ``seqs``:
-    → (logp [Σ L_j] float32 in sequence order, 0 at each first token; cu_seqlens [N+1]).
+    → (logp [Σ L_j] float32 in sequence order, 0 at each first token; cu_seqlens [N+1]), and the
+    MoE load-balancing loss with ``with_aux`` (equal to the trajectory-wise one).
     routed_experts: [num_moe_layers, Σ L_j, k] in the same packed order, replayed. The forward
     runs where the model lives (``device`` is accepted for the same signature)."""
     lengths = [len(s) for s in seqs]
@@ -143,9 +149,9 @@ def tree_packed_logprobs(model, seqs: list[list[int]], device=None, routed_exper
     if routed_experts is not None:
         routed = [list(routed_experts.split(lengths, dim=1))]
     (row,), _ = build_rows([seqs], cfg.token_cap, routed)  # one group: one tree, one row
-    out = row_logprobs(model, row, cfg)
+    out = row_logprobs(model, row, cfg, with_aux=with_aux)
     cu = torch.tensor([0] + lengths, device=out.logp.device).cumsum(0)
-    return torch.cat(out.per_trajectory), cu
+    return (torch.cat(out.per_trajectory), cu) + ((out.aux,) if with_aux else ())
 
 
 def compact_weights(row: TreeBatch, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -155,21 +161,6 @@ def compact_weights(row: TreeBatch, weights: list[torch.Tensor]) -> torch.Tensor
     for idx, w in zip(row.traj_index, weights):
         out.index_add_(0, idx.to(out.device), w.to(out))
     return out
-
-
-def moe_aux_loss(probs: torch.Tensor, ids: torch.Tensor, multiplicity: torch.Tensor) -> torch.Tensor:
-    """Switch-style load-balancing loss with semantic multiplicities, for router probabilities
-    probs [T, E] (float) and routed ids [T, k] of one MoE layer on compact tokens:
-
-        f_e = Σ_i m_i · #{j: ids_ij = e} / (k · Σ_i m_i),   P_e = Σ_i m_i · p_ie / Σ_i m_i,
-        L = E · Σ_e f_e · P_e
-
-    — the value trajectory-wise training gets over all trajectories' tokens."""
-    m = multiplicity.to(probs.dtype)
-    E, k = probs.shape[1], ids.shape[1]
-    f = expert_counts(ids, E, multiplicity).to(probs.dtype) / (k * m.sum())
-    P = (m[:, None] * probs).sum(0) / m.sum()
-    return E * (f * P).sum()
 
 
 def row_expert_counts(routed: torch.Tensor, row: TreeBatch, num_experts: int) -> torch.Tensor:
