@@ -4,7 +4,7 @@ argmax loop (Qwen3-Next hybrid), across batching, prefix caching, chunked prefil
 import pytest
 import torch
 
-from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
 from arbor.models import VarlenAttention, load_model
 from tests.conftest import hf_model
 
@@ -44,8 +44,12 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("decode", ["cpu-kernel", "gather-sdpa"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_equals_transformers(hf_case, name):
+def test_greedy_equals_transformers(hf_case, name, decode, monkeypatch):
+    """Both decode-attention paths: the C kernel (CPU) and gather + SDPA (every device)."""
+    if decode == "gather-sdpa":
+        monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
     model, ps, ref = hf_case
     engine = LLMEngine(model, EngineConfig(**CONFIGS[name]))
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
