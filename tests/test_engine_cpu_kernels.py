@@ -81,13 +81,18 @@ def test_engine_decodes_the_same_with_and_without_the_kernel(dtype, monkeypatch)
 def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
     model = tiny_model()
     engine = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))
-    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert engine.num_packed == len(linears) > 0 and all(isinstance(m, PackedLinear) for m in linears)
-    assert not any("packed" in k for k in engine.model.state_dict())        # names as before
+    m = engine.model
+    linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+    assert engine.num_packed == len(linears) > 0
+    assert not any("packed" in k for k in m.state_dict())                     # names as before
+    assert model.model.layers[0].self_attn.fused_qkv is None                  # the caller's model is untouched
     x = torch.randn(5, TINY["hidden_size"]).bfloat16()
-    lin = engine.model.model.layers[0].mlp.gate_proj
-    assert torch.equal(lin(x), F.linear(x, lin.weight))
-    shared = LLMEngine(engine.model, EngineConfig(dtype="bfloat16", num_blocks=64))   # not its copy: unpacked
+    attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+    for got, lin in zip(attn.fused_qkv(x) + mlp.fused_gate_up(x), [attn.q_proj, attn.k_proj, attn.v_proj,
+                                                                  mlp.gate_proj, mlp.up_proj]):
+        assert torch.equal(got, F.linear(x, lin.weight))                      # fused GEMMs, split: exact
+    assert isinstance(attn.o_proj, PackedLinear) and torch.equal(attn.o_proj(x), F.linear(x, attn.o_proj.weight))
+    shared = LLMEngine(m, EngineConfig(dtype="bfloat16", num_blocks=64))     # not its own copy: left alone
     assert shared.num_packed == 0
 
     with torch.no_grad():                                                     # a training step's worth of change

@@ -175,13 +175,19 @@ class SoftmaxAttention(nn.Module):
         qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)
         return apply_rope(qk, cos, sin).split((hq, hk), 1)
 
+    fused_qkv = None   # optional x → [q | k | v] in one GEMM (the engine's packed CPU copy), see cpu_linear
+
     def forward(self, x, cos, sin, attn):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, -1)
+        if self.fused_qkv is not None:
+            q, k, v = self.fused_qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, -1)
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.norm_and_rotate(q, k, cos, sin)
         out = attn.attend(self.layer_idx, q, k, v, self.scale).reshape(t, -1)
         if self.gated:
