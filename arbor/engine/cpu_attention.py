@@ -1,7 +1,8 @@
 """Loads the CPU paged decode-attention kernel (``paged_decode.c``) through ctypes.
 
 The C source is compiled once per machine with the system C compiler (``$CC``, else ``cc``),
-``-O3 -march=native -ffast-math -fopenmp``, into ``$ARBOR_CACHE`` (default ``~/.cache/arbor``);
+``-O3 -march=native -ffast-math -fopenmp`` (then without OpenMP, then without ``-march=native``,
+for compilers that lack them), into ``$ARBOR_CACHE`` (default ``~/.cache/arbor``);
 the file name hashes the source, the flags and the CPU's feature flags, so a changed kernel or
 another CPU builds anew. No compiler, a failed build, or ``ARBOR_CPU_KERNELS=0`` → ``None``,
 and the engine keeps its PyTorch path (gather the blocks, then SDPA).
@@ -25,6 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# compilers without OpenMP (Apple clang) or -march=native get the same kernel, single-threaded / generic
+FALLBACK_FLAGS = [[f for f in FLAGS if f != "-fopenmp"], [f for f in FLAGS if f not in ("-fopenmp", "-march=native")]]
 
 
 def _cpu_id() -> str:
@@ -51,7 +54,11 @@ def load_kernel():
             out.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:   # build aside, then rename: atomic
                 lib = Path(tmp) / out.name
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(lib), "-lm"], check=True, capture_output=True)
+                for flags in [FLAGS, *FALLBACK_FLAGS]:
+                    build = subprocess.run([cc, *flags, str(SOURCE), "-o", str(lib), "-lm"], capture_output=True)
+                    if build.returncode == 0:
+                        break
+                build.check_returncode()
                 os.replace(lib, out)
         fn = ctypes.CDLL(str(out)).paged_decode_attention
     except (OSError, subprocess.CalledProcessError) as e:
