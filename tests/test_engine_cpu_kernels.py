@@ -101,3 +101,17 @@ def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
     engine.update_weights(model.state_dict())
     fresh = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))
     assert greedy(engine, PROMPTS) == greedy(fresh, PROMPTS)
+
+
+@pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+def test_packing_leaves_hybrid_moe_outputs_bit_identical():
+    """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert."""
+    import copy
+    from tests.test_model_attention import HYBRID
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**HYBRID)).eval()
+    packed = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))                 # its own copy
+    plain = LLMEngine(copy.deepcopy(model).bfloat16(), EngineConfig(dtype="bfloat16", num_blocks=64))
+    assert packed.num_packed > 0 and plain.num_packed == 0
+    prompts = [[t % 64 for t in p] for p in PROMPTS]
+    assert greedy(packed, prompts) == greedy(plain, prompts)
