@@ -13,12 +13,15 @@ State-dict names and ``update_weights`` are unchanged; the parameters stay the s
 and ``repack(model)`` refreshes every packed copy after they change in place. Outputs are
 bit-identical to ``F.linear`` in bfloat16 (same dot products, column by column); a decode
 step runs ~20 % faster. Costs one more copy of the linear weights. Where PyTorch lacks oneDNN,
-nothing is packed.
+or its packed GEMM would not match ``F.linear`` exactly on this CPU, nothing is packed.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from arbor.models.attention import SoftmaxAttention
@@ -28,8 +31,20 @@ _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 BATCH_HINT = 16   # oneDNN picks its blocking for this many rows (a decode batch); any row count works
 
 
+@cache
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in _OPS)
+    """oneDNN's packed bfloat16 linear exists here and gives exactly what ``F.linear`` gives (on
+    CPUs without native bfloat16 the two may take different GEMMs; then nothing is packed)."""
+    if not (torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in _OPS)):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    try:
+        packed = _pack(w)
+        return all(torch.equal(_linear(x, packed, None), F.linear(x, w))
+                   for x in (torch.randn(n, 64, generator=gen).bfloat16() for n in (1, 5, 16, 40)))
+    except RuntimeError:
+        return False
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
