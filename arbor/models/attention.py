@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arbor.models import cpu_ops
 from arbor.models.layers import RMSNorm, apply_rope, rms_norm
 
 
@@ -170,8 +171,11 @@ class SoftmaxAttention(nn.Module):
 
     def norm_and_rotate(self, q, k, cos, sin):
         """q_norm / k_norm, then RoPE, as one norm and one rotation over the heads of both."""
+        wq, wk = self.q_norm.weight, self.k_norm.weight
+        if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q):   # the engine, bf16 CPU
+            return cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps)
         hq, hk, d = q.shape[1], k.shape[1], self.head_dim
-        weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hk, d)))
+        weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))
         qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)
         return apply_rope(qk, cos, sin).split((hq, hk), 1)
 

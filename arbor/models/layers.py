@@ -14,12 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arbor.models import cpu_ops
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     """The RMSNorm above over x's last dim; ``weight`` broadcasts over x's trailing dims ([D], or
     [H, D] for one weight per head)."""
     if x.dtype == torch.float32 and not zero_centred and weight.dim() == 1:   # one fused call, bit-identical here
         return F.rms_norm(x, weight.shape, weight, eps)
+    if not zero_centred and weight.dim() == 1 and weight.dtype == x.dtype and cpu_ops.use(x):   # the engine, bf16 CPU
+        return cpu_ops.rms_norm(x, weight, eps)
     xf = F.rms_norm(x.float(), x.shape[-1:], None, eps)
     if zero_centred:
         return (xf * (1.0 + weight.float())).type_as(x)

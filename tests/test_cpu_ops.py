@@ -1,0 +1,77 @@
+"""The fused bfloat16 CPU ops (RMSNorm, q/k-norm + RoPE) equal the PyTorch expressions they
+replace, serve only inference-mode bfloat16 CPU forwards, and leave the engine's tokens unchanged."""
+
+import pytest
+import torch
+
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+from arbor.models import CausalLM, ModelConfig, cpu_ops
+from arbor.models.layers import Rotary, apply_rope, rms_norm
+from tests.conftest import TINY
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(cpu_ops._lib() is None, reason="no C compiler to build the ops")]
+BF = torch.bfloat16
+
+
+def assert_matches(got, ref):
+    """Equal but for rare one-step roundings (the float32 sum of squares in another order)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert (got == ref).float().mean() > 0.9999
+    assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+def test_rms_norm_matches_pytorch():
+    torch.manual_seed(0)
+    w = (torch.randn(128) * 0.3 + 1).to(BF)
+    x = (torch.randn(300, 3, 256) * 3).to(BF)[:, 1, 64:192]          # strided rows
+    with torch.inference_mode():
+        got = cpu_ops.rms_norm(x, w, 1e-6)
+    with torch.no_grad():                                             # the PyTorch path
+        ref = rms_norm(x, w, 1e-6)
+    assert_matches(got, ref)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 16])                     # full and partial (Qwen3-Next) rotary
+def test_qk_norm_rope_matches_pytorch(rotary_dim):
+    torch.manual_seed(1)
+    T = 500
+    qkv = torch.randn(T, 64 * 8).to(BF)
+    q, k = qkv[:, :256].view(T, 4, 64), qkv[:, 256:384].view(T, 2, 64)   # views of a fused projection
+    wq, wk = [(torch.randn(64) * 0.3 + 1).to(BF) for _ in range(2)]
+    cos, sin = Rotary(rotary_dim, 1e6)(torch.randint(0, 4000, (T,)), BF)
+    with torch.inference_mode():
+        got = cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-6)
+    weight = torch.cat((wq.expand(4, 64), wk.expand(2, 64)))
+    ref = apply_rope(rms_norm(torch.cat((q, k), 1), weight, 1e-6), cos, sin).split((4, 2), 1)
+    for g, r in zip(got, ref):
+        assert_matches(g, r)
+
+
+def test_ops_serve_only_inference_mode_bf16_cpu(monkeypatch):
+    calls = []
+    real = cpu_ops.rms_norm
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    w = torch.ones(32, dtype=BF)
+    with torch.no_grad():
+        rms_norm(torch.randn(4, 32).to(BF), w, 1e-6)                  # the trainer's recompute
+    with torch.inference_mode():
+        rms_norm(torch.randn(4, 32), w.float(), 1e-6)                 # float32
+    assert not calls
+    with torch.inference_mode():
+        rms_norm(torch.randn(4, 32).to(BF), w, 1e-6)
+    assert calls == [1]
+
+
+def test_bf16_engine_tokens_do_not_change(monkeypatch):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**TINY)).eval()
+    prompts = [[1, 2, 3], list(range(5, 45)), [9] * 20]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    cfg = EngineConfig(dtype="bfloat16", num_blocks=64)
+    fused = LLMEngine(model, cfg).generate(prompts, params)
+    monkeypatch.setattr(cpu_ops, "use", lambda x: False)
+    plain = LLMEngine(model, cfg).generate(prompts, params)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.05, rtol=0)
