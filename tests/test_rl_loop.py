@@ -140,12 +140,17 @@ def test_resume_gives_the_same_metrics(tiny, tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (k, x["step"])
 
 
-def test_moe_trajectories_carry_and_replay_the_engine_routing(tmp_path):
+def tiny_moe():
     tok = builtin_tokenizer()
     torch.manual_seed(0)
     moe = CausalLM(ModelConfig(**SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4,
                                               num_experts_per_tok=2, moe_intermediate_size=32),
                                eos_token_id=tok.eos_token_id)).eval()
+    return tok, moe
+
+
+def test_moe_trajectories_carry_and_replay_the_engine_routing(tmp_path):
+    tok, moe = tiny_moe()
     cfg = config(tmp_path, c3po=C3POConfig(enabled=True, token_budget=40, capacity=6, max_age=3))
     trainer = make_trainer(cfg, moe, tok)
     trajs, carried = [], 0
@@ -178,11 +183,7 @@ def test_moe_trajectories_carry_and_replay_the_engine_routing(tmp_path):
 
 def test_moe_aux_coef_adds_the_load_balancing_loss(tmp_path):
     from arbor.train.tree_forward import tree_packed_logprobs
-    tok = builtin_tokenizer()
-    torch.manual_seed(0)
-    moe = CausalLM(ModelConfig(**SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4,
-                                              num_experts_per_tok=2, moe_intermediate_size=32),
-                               eos_token_id=tok.eos_token_id)).eval()
+    tok, moe = tiny_moe()
     trainer = make_trainer(config(tmp_path), moe, tok)
     moe = trainer.model
     trees, _, _ = asyncio.run(trainer.collect())

@@ -34,9 +34,9 @@ def supports(device, dtype) -> bool:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
-    """q [B, Hq, D] (rows may be strided); k/v_cache [slots, Hkv, D] (same dtype as q); block_tables [B, W] int32 (rows
-    padded with any block); context_lens [B] int32 → [B, Hq, D]: softmax(scale · q kᵀ) v over
-    keys 0..context_lens[b]−1 of each sequence."""
+    """q [B, Hq, D] (rows may be strided); k/v_cache [slots, Hkv, D] (same dtype as q);
+    block_tables [B, W] int32 (rows padded with any block); context_lens [B] int32 → [B, Hq, D]:
+    softmax(scale · q kᵀ) v over keys 0..context_lens[b]−1 of each sequence."""
     B, H, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D:   # rows may be spaced (views of a wider tensor), heads not
         q = q.contiguous()

@@ -41,8 +41,6 @@ def _sdpa(q, k, v, scale, mask=None, causal=False):
 
 
 def cu_seqlens_from_lengths(lengths, device=None) -> torch.Tensor:
-    if isinstance(lengths, torch.Tensor):
-        return F.pad(lengths.to(device=device, dtype=torch.int64).cumsum(0), (1, 0))
     return torch.tensor([0, *accumulate(lengths)], dtype=torch.int64, device=device)
 
 
@@ -154,6 +152,8 @@ class SoftmaxAttention(nn.Module):
     """Qwen3 attention: q/k RMSNorm per head, RoPE, GQA. ``gated`` (Qwen3-Next): q_proj also
     yields a per-channel gate and the output is ``o_proj(attn · sigmoid(gate))``."""
 
+    fused_qkv = None   # optional x → [q | k | v] in one GEMM (the engine's packed CPU copy), see cpu_linear
+
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -178,8 +178,6 @@ class SoftmaxAttention(nn.Module):
         weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))
         qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)
         return apply_rope(qk, cos, sin).split((hq, hk), 1)
-
-    fused_qkv = None   # optional x → [q | k | v] in one GEMM (the engine's packed CPU copy), see cpu_linear
 
     def forward(self, x, cos, sin, attn):
         t = x.shape[0]

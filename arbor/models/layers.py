@@ -73,13 +73,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MLP(nn.Module):
+    fused_gate_up = None   # optional x → [gate | up] in one GEMM (the engine's packed CPU copy)
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    fused_gate_up = None   # optional x → [gate | up] in one GEMM (the engine's packed CPU copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
