@@ -138,6 +138,9 @@ def test_resume_gives_the_same_metrics(tiny, tmp_path):
     for x, y in zip(ra, rb):
         for k in keys:
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-6), (k, x["step"])
+    other = config(tmp_path / "b", steps=4, checkpoint_every=2, c3po=C3POConfig(enabled=True, token_budget=90, capacity=6))
+    with pytest.raises(ValueError, match="c3po"):                   # other settings: refused, not mixed in
+        asyncio.run(make_trainer(other, model, tok).run())
 
 
 def tiny_moe():

@@ -129,7 +129,7 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
                 student = load_model(base_dir, device=device)
                 tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, visible_weight=tad_visible_weight,
                                 optim=OptimConfig(lr=tad_lr, warmup_steps=20))
-                distill(student, trajectories, tad, teacher=base, on_log=log)
+                distill(student, trajectories, tad, teacher=base, on_log=log, checkpoint_dir=folder / "checkpoint")
                 save_model(student, folder, tokenizer=tok)
             students[name] = load_model(folder, device=device).eval()
         out.update({t: students for t in group_tasks})

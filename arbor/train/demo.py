@@ -56,8 +56,9 @@ def demo(cfg: DemoConfig) -> dict:
     cfg.sft.out, cfg.sft.train.seed = str(out / "sft"), cfg.seed
     cfg.rl.out, cfg.rl.seed, cfg.rl.model = str(out / "rl"), cfg.seed, cfg.sft.out
     cfg.rl.eval_problems = cfg.eval_problems
-    if (out / "rl").exists():       # a new SFT model: RL state from an earlier demo run does not apply
-        shutil.rmtree(out / "rl")
+    for stage in ("sft", "rl"):      # the demo always starts from scratch: no checkpoint of an earlier run
+        if (out / stage).exists():
+            shutil.rmtree(out / stage)
     built = {}
 
     def trainer_for(model, tok) -> RLTrainer:

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from arbor.models import CausalLM, ModelConfig
 from arbor.tasks import addition, countdown, sudoku
-from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.loop import train_loop
+from arbor.train.optim import OptimConfig
 
 TASKS = {"sudoku": sudoku, "addition": addition, "countdown": countdown}
 EPS = 1e-3
@@ -58,6 +60,7 @@ class DiffusionTrainConfig:
     reference_fraction: float = 0.2
     seed: int = 0
     log_every: int = 50
+    checkpoint_every: int = 250          # steps between resumable checkpoints in out/checkpoint (0: none)
     device: str = "cpu"
     model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=50))
@@ -166,33 +169,28 @@ def diffusion_loss(model, samples) -> torch.Tensor:
     return (ce * weights[rows]).sum() / len(samples)
 
 
-def train_diffusion(model, examples: list[Example], cfg: DiffusionTrainConfig, on_log=None) -> list[dict]:
-    """Masked-diffusion SFT in place (see module docstring); returns the logged metrics."""
-    rng = random.Random(cfg.seed)
+def train_diffusion(model, examples: list[Example], cfg: DiffusionTrainConfig, on_log=None, until=None,
+                    checkpoint_dir=None) -> list[dict]:
+    """Masked-diffusion SFT in place (see module docstring), resuming from ``checkpoint_dir`` when it
+    holds a checkpoint (``arbor.train.loop``); returns the logged metrics."""
     mask_id, B = model.config.mask_token_id, model.config.block_size
     noise_ids = sorted({t for e in examples for t in e.response})
-    opt = make_optimizer(model, cfg.optim)
-    model.train()
-    history = []
-    for step in range(cfg.steps):
+
+    def step(rng) -> dict:
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
         samples = [noised_sample(e.reference_prompt if rng.random() < cfg.reference_fraction else e.prompt,
                                  e.response, rng, B, mask_id, noise_ids, cfg.corrupt_prob, cfg.visible_weight)
                    for e in batch]
         loss = diffusion_loss(model, samples)
         loss.backward()
-        stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            row = {"step": step, "loss": loss.item(), **stats}
-            history.append(row)
-            if on_log:
-                on_log(row)
-    model.eval()
-    return history
+        return {"loss": loss.detach()}
+
+    return train_loop(model, cfg, step, on_log, until, checkpoint_dir)
 
 
 def train_from_config(cfg: DiffusionTrainConfig, out_dir=None, on_log=print):
-    """Build the tokenizer, data and model; train; save an HF-layout folder when ``out_dir`` is given."""
+    """Build the tokenizer, data and model; train; save an HF-layout folder when ``out_dir`` is given
+    (resumable: checkpoints go to ``out_dir/checkpoint`` every ``cfg.checkpoint_every`` steps)."""
     from arbor.models import save_model
     from arbor.models.tokenizer import builtin_tokenizer
     tok = builtin_tokenizer()
@@ -200,7 +198,8 @@ def train_from_config(cfg: DiffusionTrainConfig, out_dir=None, on_log=print):
     for i, task in enumerate(cfg.tasks):
         examples += task_examples(tok, task, cfg.train_per_task, cfg.seed + i, "train", cfg.model.block_size)[1]
     model = build_model(tok, cfg.model, cfg.seed).to(cfg.device)
-    history = train_diffusion(model, examples, cfg, on_log)
+    history = train_diffusion(model, examples, cfg, on_log,
+                              checkpoint_dir=None if out_dir is None else Path(out_dir) / "checkpoint")
     if out_dir is not None:
         save_model(model, out_dir, tokenizer=tok)
     return model, tok, history

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +29,8 @@ import torch.nn.functional as F
 
 from arbor.engine.diffusion import DecodeConfig, diffusion_generate
 from arbor.train.diffusion import Example, PaddedBlockAttention
-from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.loop import train_loop
+from arbor.train.optim import OptimConfig
 
 QUALITY_DELTA, SPEED_DELTA = 2, 8
 
@@ -43,6 +43,7 @@ class TADConfig:
     seed: int = 0
     visible_weight: float = 0.0          # w of CE on revealed block tokens; 0 = the paper's loss
     log_every: int = 50
+    checkpoint_every: int = 250          # steps between resumable checkpoints (0: none)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
 
 
@@ -153,19 +154,18 @@ def _forward_rows(model, prompts, states, regions):
     return model.logits(hidden[torch.cat(rows).to(dev)])
 
 
-def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=None, on_log=None) -> list[dict]:
-    """Train ``student`` in place on TAD pairs; ``teacher`` defaults to a frozen copy of it."""
+def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=None, on_log=None, until=None,
+            checkpoint_dir=None) -> list[dict]:
+    """Train ``student`` in place on TAD pairs; ``teacher`` defaults to a frozen copy of it. Resumes
+    from ``checkpoint_dir`` when it holds a checkpoint (``arbor.train.loop``)."""
     teacher = teacher if teacher is not None else copy.deepcopy(student)
     teacher.eval().requires_grad_(False)
     mask_id, B = student.config.mask_token_id, student.config.block_size
     pairs = make_pairs(trajectories, cfg.delta, mask_id, B, completed_blocks=cfg.visible_weight > 0)
     if not pairs:
         raise ValueError("TAD has no training pairs: no correct teacher trajectory was recorded")
-    rng = random.Random(cfg.seed)
-    opt = make_optimizer(student, cfg.optim)
-    student.train()
-    history = []
-    for step in range(cfg.steps):
+
+    def step(rng) -> dict:
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(cfg.batch_size)]
         trajs = [trajectories[b[0]] for b in batch]
         states = [tr.states[b[1]] for tr, b in zip(trajs, batch)]
@@ -179,14 +179,9 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
             visible = torch.cat([(tr.states[b[1]] != mask_id)[b[2]] for tr, b in zip(trajs, batch)]).to(student.device)
         parts = tad_loss(logits_s, logits_t, sel(5), sel(3), sel(4), visible, cfg.visible_weight)
         parts["loss"].backward()
-        stats = optimizer_step(student, opt, step, cfg.steps, cfg.optim)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            row = {"step": step, **{k: v.item() for k, v in parts.items()}, **stats}
-            history.append(row)
-            if on_log:
-                on_log(row)
-    student.eval()
-    return history
+        return {k: v.detach() for k, v in parts.items()}
+
+    return train_loop(student, cfg, step, on_log, until, checkpoint_dir)
 
 
 def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:
@@ -207,7 +202,8 @@ def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"
                    per_task: int = 1000, device: str = "cpu", on_log=print) -> dict:
     """Load a block-diffusion checkpoint, record its trajectories, write one student per mode
     (``out_dir/quality`` with Δ = QUALITY_DELTA, ``out_dir/speed`` with Δ = SPEED_DELTA unless
-    ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}."""
+    ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}. Each student's
+    training resumes from ``out_dir/<mode>/checkpoint`` when a stopped run left one there."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -222,6 +218,7 @@ def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"
     for mode in modes:
         delta = cfg.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
         student = load_model(model_dir, device=device)
-        distill(student, trajectories, replace(cfg, delta=delta), teacher=teacher, on_log=on_log)
+        distill(student, trajectories, replace(cfg, delta=delta), teacher=teacher, on_log=on_log,
+                checkpoint_dir=Path(out_dir) / mode / "checkpoint")
         out[mode] = save_model(student, Path(out_dir) / mode, tokenizer=tok)
     return out

@@ -27,6 +27,7 @@ import torch
 from arbor.rollout.collector import Collector, RolloutConfig
 from arbor.train.advantages import group_advantages
 from arbor.train.losses import LossConfig, policy_loss
+from arbor.train.loop import check_same_settings, load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
@@ -211,31 +212,18 @@ class RLTrainer:
 
     # ---- checkpoints --------------------------------------------------------------------
     def save(self, folder: Path) -> None:
-        from arbor.models import save_model
-        tmp = folder.with_name(folder.name + ".tmp")
-        save_model(self.model, tmp / "model", tokenizer=self.tok)
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "pool": self.pool,
-                    "next_problem": self.next_problem, "next_group": self.next_group,
-                    "version": self.collector.version, "history": self.history,
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}, tmp / "trainer.pt")
-        if folder.exists():
-            import shutil
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        save_state(folder, self.model, self.optimizer, tokenizer=self.tok, state={
+            "step": self.step, "pool": self.pool, "next_problem": self.next_problem, "next_group": self.next_group,
+            "version": self.collector.version, "history": self.history, "python_rng": random.getstate(),
+            "settings": settings_of(self.cfg)})
 
     def load(self, folder: Path) -> None:
-        from arbor.models.checkpoint import from_hf_tensors, read_tensors
-        state = from_hf_tensors(read_tensors(folder / "model"), self.model)
-        with torch.no_grad():
-            for name, p in self.model.state_dict().items():
-                p.copy_(state[name])
-        s = torch.load(folder / "trainer.pt", weights_only=False)
-        self.optimizer.load_state_dict(s["optimizer"])
+        s = load_state(folder, self.model, self.optimizer)
+        check_same_settings(folder, s["settings"], settings_of(self.cfg))
         self.step, self.pool, self.history = s["step"], s["pool"], s["history"]
         self.next_problem, self.next_group = s["next_problem"], s["next_group"]
         self.collector.version = s["version"]
-        torch.set_rng_state(s["rng"]["torch"])
-        random.setstate(s["rng"]["python"])
+        random.setstate(s["python_rng"])
         self.engine.update_weights(self.model.state_dict())
 
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:

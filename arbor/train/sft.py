@@ -4,7 +4,8 @@ loss = − Σ_t m_t · log π(x_t | x_<t) / Σ_t m_t over each step's batch (tok
 batches drawn by a seeded sampler until ``batch_tokens`` tokens, packed into micro-batches of
 at most ``micro_tokens`` tokens (gradient accumulation keeps the token mean exact). MoE models
 add ``moe_aux_coef`` × the load-balancing loss of each micro-batch, weighted by its share of the
-batch's tokens.
+batch's tokens. ``arbor sft`` checkpoints every ``checkpoint_every`` steps and resumes a stopped run
+(``arbor.train.loop``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.train.logprobs import packed_logprobs
-from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.loop import train_loop
+from arbor.train.optim import OptimConfig
 from arbor.train.tree_forward import tree_packed_logprobs
 from arbor.train.tree_plan import first_fit_decreasing
 
@@ -27,6 +29,7 @@ class SFTConfig:
     micro_tokens: int = 4096
     seed: int = 0
     log_every: int = 20
+    checkpoint_every: int = 100    # steps between resumable checkpoints in the run's out/checkpoint (0: none)
     tree: bool = True              # each micro-batch as one prefix tree (shared prompts computed once)
     moe_aux_coef: float = 0.0      # MoE: weight of the load-balancing loss (HF Qwen3-MoE uses 0.001)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=20))
@@ -41,17 +44,16 @@ def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
     return picked
 
 
-def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None, until=None) -> list[dict]:
+def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None, until=None,
+        checkpoint_dir=None) -> list[dict]:
     """examples: (ids, loss_mask) pairs. Trains ``model`` in place for ``cfg.steps`` steps, or
-    until ``until(step)`` (called after each optimizer step) says stop; returns the logged metrics."""
+    until ``until(step)`` (called after each optimizer step) says stop, resuming from
+    ``checkpoint_dir`` when it holds a checkpoint (``arbor.train.loop``); returns the logged metrics."""
     if not examples:
         raise ValueError("sft needs at least one demonstration")
-    rng = random.Random(cfg.seed)
-    opt = make_optimizer(model, cfg.optim)
-    model.train()
-    history = []
     aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
-    for step in range(cfg.steps):
+
+    def step(rng) -> dict:
         batch = draw_batch(rng, examples, cfg.batch_tokens)
         n_tokens = sum(sum(examples[i][1]) for i in batch)
         all_tokens = sum(len(examples[i][0]) for i in batch)
@@ -68,19 +70,9 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
                 aux_sum += float(aux[0].detach()) * share
             loss.backward()
             loss_sum += float(loss.detach())
-        stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim)
-        if aux_coef:
-            stats["moe_aux"] = aux_sum
-        stop = until is not None and until(step)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
-            row = {"step": step, "loss": loss_sum, **stats}
-            history.append(row)
-            if on_log:
-                on_log(row)
-        if stop:
-            break
-    model.eval()
-    return history
+        return {"loss": loss_sum, **({"moe_aux": aux_sum} if aux_coef else {})}
+
+    return train_loop(model, cfg, step, on_log, until, checkpoint_dir)
 
 
 @dataclass
@@ -96,7 +88,8 @@ class SFTRunConfig:
 
 
 def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
-    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json.
+    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json, and
+    resumes from ``cfg.out/checkpoint`` when an earlier run left one there.
     ``until(model, tokenizer, step) -> bool`` may end training early (see ``sft``)."""
     import json
     from pathlib import Path
@@ -118,7 +111,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
     examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
     stop = None if until is None else (lambda step: until(model, tok, step))
-    history = sft(model, examples, cfg.train, on_log, stop)
+    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint")
     save_model(model, cfg.out, tokenizer=tok)
     (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
     return model, tok, history

@@ -1,0 +1,109 @@
+"""The optimizer-step loop of SFT, masked-diffusion SFT and TAD, with resumable checkpoints.
+
+Each step: ``step_fn(rng)`` draws a batch with ``rng`` (a ``random.Random(cfg.seed)``), runs forward
+and backward, and returns the quantities to log; then ``optimizer_step`` clips and takes the
+scheduled AdamW step. Every ``cfg.checkpoint_every`` steps (and after the last) the loop writes
+``checkpoint_dir`` atomically (a temporary folder renamed over the old one): the model (HF layout),
+the optimizer state, the step, ``rng``'s and torch's random states, the logged history and the
+config. Started again with a checkpoint there, it resumes from it; a checkpoint written with other
+settings (anything but ``RESUMABLE_CHANGES``) is refused with an error naming them.
+
+Invariant: a run stopped anywhere and started again with the same config ends with the same
+weights and history, bit for bit, as one that never stopped (tests/test_train_resume.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from arbor.train.optim import make_optimizer, optimizer_step
+
+RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out")
+
+
+def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None) -> None:
+    """Write model + ``trainer.pt`` (optimizer, torch RNG, ``state``) to ``folder``, replacing it whole."""
+    from arbor.models import save_model
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_model(model, tmp / "model", tokenizer=tokenizer)
+    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(), **state}, tmp / "trainer.pt")
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def load_state(folder: Path, model, optimizer) -> dict | None:
+    """Load ``save_state``'s model weights, optimizer state and torch RNG; → the rest of the state, or
+    None when ``folder`` holds no checkpoint."""
+    from arbor.models.checkpoint import from_hf_tensors, read_tensors
+    folder = Path(folder)
+    if not (folder / "trainer.pt").exists():
+        return None
+    tensors = from_hf_tensors(read_tensors(folder / "model"), model)
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            p.copy_(tensors[name])
+    state = torch.load(folder / "trainer.pt", weights_only=False)
+    optimizer.load_state_dict(state.pop("optimizer"))
+    torch.set_rng_state(state.pop("torch_rng"))
+    return state
+
+
+def settings_of(cfg) -> dict:
+    """The config as plain JSON values, less the keys a resumed run may change."""
+    d = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    return {k: v for k, v in d.items() if k not in RESUMABLE_CHANGES}
+
+
+def check_same_settings(folder: Path, saved: dict, now: dict) -> None:
+    """Raise, naming each difference, unless a checkpoint's ``settings_of`` equals the current run's."""
+    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if diff:
+        changes = ", ".join(f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in diff)
+        raise ValueError(f"{folder} holds a checkpoint of a run with other settings ({changes}); "
+                         f"run with the same settings to resume it, or delete {folder} to start over")
+
+
+def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None) -> list[dict]:
+    """Train ``model`` in place for ``cfg.steps`` steps (see module docstring); → the logged rows.
+
+    ``cfg`` needs ``steps``, ``seed``, ``log_every``, ``checkpoint_every`` (0: never) and ``optim``.
+    ``until(step)`` is asked after each step and ends training early when true. With
+    ``checkpoint_dir`` None nothing is written."""
+    rng = random.Random(cfg.seed)
+    opt = make_optimizer(model, cfg.optim)
+    start, history = 0, []
+    settings = settings_of(cfg)
+    if checkpoint_dir is not None:
+        state = load_state(checkpoint_dir, model, opt)
+        if state is not None:
+            check_same_settings(Path(checkpoint_dir), state["settings"], settings)
+            start, history = state["step"], state["history"]
+            rng.setstate(state["rng"])
+    model.train()
+    for step in range(start, cfg.steps):
+        logged = step_fn(rng)
+        stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim)
+        stop = until is not None and until(step)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
+            row = {"step": step, **{k: float(v) for k, v in logged.items()}, **stats}
+            history.append(row)
+            if on_log:
+                on_log(row)
+        done = step + 1
+        if checkpoint_dir is not None and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            save_state(checkpoint_dir, model, opt, {"step": done, "history": history, "rng": rng.getstate(),
+                                                    "settings": settings})
+        if stop:
+            break
+    model.eval()
+    return history

@@ -1,0 +1,92 @@
+"""Resumable training (``arbor.train.loop``): SFT, masked-diffusion SFT and TAD stopped between
+checkpoints and started again end with the same weights and logs, bit for bit, as an uninterrupted
+run; a checkpoint of other settings is refused; the CLI resumes from ``out/checkpoint``."""
+
+import pytest
+import torch
+
+from arbor.cli import main as cli_main
+from arbor.models import CausalLM, ModelConfig, load_model
+from arbor.models.tokenizer import builtin_tokenizer
+from arbor.train.diffusion import DiffusionTrainConfig, build_model, task_examples, train_diffusion
+from arbor.train.distill import TADConfig, distill, record_trajectories
+from arbor.train.diffusion import Example
+from arbor.train.optim import OptimConfig
+from arbor.train.sft import SFTConfig, sft
+from tests.test_diffusion_decode import tiny_model
+from tests.test_diffusion_train import TINY
+from tests.test_sft import SMALL, examples
+
+
+def crash_then_resume(make_model, train, folder, crash_after: int):
+    """Train to the end in one go; then train in a fresh "process" that stops after ``crash_after``
+    steps, and again in another one that resumes from its checkpoint → (uninterrupted, resumed)."""
+    whole = make_model()
+    h_whole = train(whole, None, None)
+    crashed = make_model()
+    train(crashed, lambda step: step + 1 == crash_after, folder)
+    resumed = make_model()
+    h_resumed = train(resumed, None, folder)
+    assert h_resumed == h_whole
+    return whole, resumed
+
+
+def assert_same_weights(a, b):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_sft_resumes_bit_for_bit(tmp_path):
+    tok, ex = examples(32)
+
+    def make():
+        torch.manual_seed(0)
+        return CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id))
+
+    cfg = SFTConfig(steps=7, batch_tokens=600, log_every=2, checkpoint_every=2,
+                    optim=OptimConfig(lr=2e-3, warmup_steps=2))
+    whole, resumed = crash_then_resume(make, lambda m, until, folder: sft(m, ex, cfg, until=until, checkpoint_dir=folder),
+                                       tmp_path / "ckpt", crash_after=5)      # checkpoint at 4, step 5 lost
+    assert_same_weights(whole, resumed)
+    # a checkpoint written with other settings is refused, naming the setting
+    with pytest.raises(ValueError, match=r"optim.*delete"):
+        sft(make(), ex, SFTConfig(steps=7, batch_tokens=600, checkpoint_every=2, optim=OptimConfig(lr=1e-3)),
+            checkpoint_dir=tmp_path / "ckpt")
+
+
+def test_diffusion_training_resumes_bit_for_bit(tmp_path):
+    tok = builtin_tokenizer()
+    _, data = task_examples(tok, "addition", 32, 0, "train", TINY.block_size)
+    cfg = DiffusionTrainConfig(steps=6, batch_size=8, log_every=1, checkpoint_every=2, model=TINY)
+
+    def make():
+        return build_model(tok, TINY, seed=0)
+
+    whole, resumed = crash_then_resume(make, lambda m, until, folder: train_diffusion(m, data, cfg, until=until,
+                                                                                    checkpoint_dir=folder),
+                                       tmp_path / "ckpt", crash_after=3)
+    assert_same_weights(whole, resumed)
+
+
+def test_tad_resumes_bit_for_bit(tmp_path):
+    teacher = tiny_model(block_size=4, seed=12, scale=0.3)
+    data = [Example([5 + i, 6, 7], [0] * 6, [9, 9, 9, 9, 5 + i, 6, 7]) for i in range(4)]
+    trajs = record_trajectories(teacher, data, lambda i, toks: True, gen_length=6)
+    cfg = TADConfig(delta=3, steps=5, batch_size=8, log_every=1, checkpoint_every=2, visible_weight=1.0)
+    whole, resumed = crash_then_resume(lambda: tiny_model(block_size=4, seed=13, scale=0.3),
+                                       lambda m, until, folder: distill(m, trajs, cfg, teacher, until=until,
+                                                                        checkpoint_dir=folder),
+                                       tmp_path / "ckpt", crash_after=3)
+    assert_same_weights(whole, resumed)
+
+
+def test_cli_sft_resumes_from_its_checkpoint(tmp_path, capsys):
+    out = tmp_path / "sft"
+    words = [f"out={out}", "demos=16", "train.batch_tokens=300", "train.log_every=1", "train.checkpoint_every=2"]
+    assert cli_main(["sft", *words, "train.steps=2"]) == 0
+    assert (out / "checkpoint" / "trainer.pt").exists()
+    capsys.readouterr()
+    assert cli_main(["sft", *words, "train.steps=3"]) == 0          # more steps: continues from step 2
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(logged) == 1 and "'step': 2" in logged[0]
+    assert load_model(out).config.num_hidden_layers > 0
