@@ -1,15 +1,15 @@
 """Block-diffusion decoding: accuracy vs tokens per forward, LLaDA2.1 editing and TAD (``arbor bench dllm``).
 
 Trains (or loads from ``cache_dir``) a tiny block-diffusion model on the built-in tasks, distils
-TAD-Quality and TAD-Speed students from it, then decodes each task's test problems with:
-LLaDA low-confidence remasking (fixed steps per block), Fast-dLLM threshold decoding, and LLaDA2.1
-joint M2T+T2T decoding in Quality and Speed modes. Reports (decoder, threshold) → accuracy, TPF;
-and AUP per model from a threshold sweep (Fast-dLLM rule, τ from 1.0 down; y_max = best accuracy of
-the three models on the task). Targets: TPF(Speed) ≥ 2·TPF(Quality) with accuracy within 5 points;
-AUP(TAD-Speed) ≥ 1.5·AUP(base). Each target is printed beside the most any decoder or model could
-reach on the task (see ``evaluate`` and ``targets``), with the forwards per problem split into M2T
-and edit-only steps and the share of first-step confidences in (0.5, 0.7], the only band where the
-Speed and Quality thresholds differ.
+TAD-Quality and TAD-Speed students from it, then decodes each task's test problems with: LLaDA
+low-confidence remasking (fixed steps per block), Fast-dLLM threshold decoding, and LLaDA2.1 joint
+M2T+T2T decoding in Quality and Speed modes. Reports (decoder, threshold) → accuracy, TPF,
+wall-clock speed-up over one token per step; and AUP per model from a threshold sweep (Fast-dLLM
+rule, τ from 1.0 down; y_max = best accuracy of the three models on the task). Targets: TPF(Speed) ≥
+2·TPF(Quality) with accuracy within 5 points; AUP(TAD-Speed) ≥ 1.5·AUP(base). Each target is printed
+beside the most any decoder or model could reach on the task (see ``evaluate`` and ``targets``),
+with the forwards per problem split into M2T and edit-only steps and the share of first-step
+confidences in (0.5, 0.7], the only band where the Speed and Quality thresholds differ.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def blocks_decoded(prompt_len: int, num_tokens: int, gen_length: int, block_size
 
 
 def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
-    """Accuracy (%, mean task score), TPF and the forward passes per problem of ``cfg`` on ``problems``.
+    """Accuracy (%, mean task score), TPF, the forward passes per problem and the wall-clock seconds of
+    ``cfg`` on ``problems`` (decoded as one batch).
 
     Every block costs at least one forward, and with editing on at least two (the step that fills its
     last mask, then one edit-only check), so TPF ≤ ``tpf_ceiling`` = Σ tokens ÷ Σ blocks (editing off)
@@ -63,7 +64,9 @@ def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
     cfg = replace(cfg, gen_length=mod.GEN_LENGTH)
     B = cfg.block_size or model.config.block_size
     prompts = [tok.encode(p.prompt) for p in problems]
+    t0 = time.perf_counter()
     results = diffusion_generate(model, prompts, cfg, [tok.eos_token_id])
+    seconds = time.perf_counter() - t0
     scores = [mod.score(p, tok.decode(r.tokens[:r.num_tokens])) for p, r in zip(problems, results)]
     n, tokens = len(results), sum(r.num_tokens for r in results)
     blocks = sum(blocks_decoded(len(p), r.num_tokens, mod.GEN_LENGTH, B) for p, r in zip(prompts, results))
@@ -73,7 +76,8 @@ def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
             "tpf": tpf([r.num_tokens for r in results], [r.forwards for r in results]),
             "edits": sum(r.edits for r in results) / n,
             "forwards": forwards / n, "m2t_forwards": (forwards - edit_only) / n, "edit_only_forwards": edit_only / n,
-            "blocks": blocks / n, "tpf_ceiling": tokens / blocks, "tpf_ceiling_editing": tokens / (2 * blocks)}
+            "blocks": blocks / n, "tpf_ceiling": tokens / blocks, "tpf_ceiling_editing": tokens / (2 * blocks),
+            "seconds": seconds}
 
 
 def first_step_confidence(model, tok, task: str, problems) -> dict:
@@ -166,8 +170,11 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_
         models = per_task[task]
         problems = TASKS[task].generate(n_eval, seed=1234, split="test")
         table = {name: evaluate(models["base"], tok, task, problems, cfg) for name, cfg in decoders(B)}
+        one_per_step = table[next(iter(table))]["seconds"]
         for name, r in table.items():
-            rows.append([task, name, r["accuracy"], r["tpf"], r["m2t_forwards"], r["edit_only_forwards"], r["edits"]])
+            r["wall_speedup"] = one_per_step / r["seconds"]
+            rows.append([task, name, r["accuracy"], r["tpf"], r["wall_speedup"], r["m2t_forwards"],
+                         r["edit_only_forwards"], r["edits"]])
         curves = {m: [evaluate(model, tok, task, problems, DecodeConfig(method="threshold", threshold=t))
                       for t in SWEEP] for m, model in models.items()}
         modes = {m: {mode: evaluate(model, tok, task, problems, cfg(block_size=B)) for mode, cfg in
@@ -183,8 +190,8 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_
                             100 * band["middle"], t["tad_speed_aup_over_base"], t["aup_ceiling_over_base"]])
         result["tasks"][task] = {"decoders": table, "sweeps": curves, "modes": modes, "aup": aups, "y_max": y_max,
                                  "first_step_confidence": band, "targets": t}
-    print_table("base model: decoder → accuracy (%), TPF, forwards per problem",
-                ["task", "decoder", "accuracy", "TPF", "M2T fwd", "edit-only fwd", "edits"], rows)
+    print_table("base model: decoder → accuracy (%), TPF, wall-clock speed-up over one token per step, forwards per problem",
+                ["task", "decoder", "accuracy", "TPF", "wall ×", "M2T fwd", "edit-only fwd", "edits"], rows)
     print_table("AUP (threshold sweep) and LLaDA2.1 modes per model",
                 ["task", "model", "AUP", "AUP/base", "Q acc", "Q TPF", "S acc", "S TPF"], aup_rows)
     print_table("targets (S÷Q TPF ≥ 2 within 5 points; TAD-S AUP ≥ 1.5× base) beside the most reachable",
