@@ -14,6 +14,7 @@ confidences in (0.5, 0.7], the only band where the Speed and Quality thresholds 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,9 +54,9 @@ def blocks_decoded(prompt_len: int, num_tokens: int, gen_length: int, block_size
     return last // block_size - prompt_len // block_size + 1
 
 
-def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
+def evaluate(model, tok, task: str, problems, cfg: DecodeConfig, repeats: int = 1) -> dict:
     """Accuracy (%, mean task score), TPF, the forward passes per problem and the wall-clock seconds of
-    ``cfg`` on ``problems`` (decoded as one batch).
+    ``cfg`` on ``problems`` (decoded as one batch; the median of ``repeats`` identical decodes).
 
     Every block costs at least one forward, and with editing on at least two (the step that fills its
     last mask, then one edit-only check), so TPF ≤ ``tpf_ceiling`` = Σ tokens ÷ Σ blocks (editing off)
@@ -64,9 +65,12 @@ def evaluate(model, tok, task: str, problems, cfg: DecodeConfig) -> dict:
     cfg = replace(cfg, gen_length=mod.GEN_LENGTH)
     B = cfg.block_size or model.config.block_size
     prompts = [tok.encode(p.prompt) for p in problems]
-    t0 = time.perf_counter()
-    results = diffusion_generate(model, prompts, cfg, [tok.eos_token_id])
-    seconds = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        results = diffusion_generate(model, prompts, cfg, [tok.eos_token_id])
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
     scores = [mod.score(p, tok.decode(r.tokens[:r.num_tokens])) for p, r in zip(problems, results)]
     n, tokens = len(results), sum(r.num_tokens for r in results)
     blocks = sum(blocks_decoded(len(p), r.num_tokens, mod.GEN_LENGTH, B) for p, r in zip(prompts, results))
@@ -154,7 +158,7 @@ def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
 
 def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_STEPS, tad_steps=TAD_STEPS,
         tad_per_task=TAD_PER_TASK, n_eval=300, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
-        tad_lr=TAD_LR, tad_scope="all", tad_visible_weight=0.0) -> dict:
+        tad_lr=TAD_LR, tad_scope="all", tad_visible_weight=0.0, repeats=3) -> dict:
     if tad_scope not in ("all", "task"):
         raise ValueError(f"tad_scope must be 'all' (one pair of students for every task) or 'task' (a pair per task), "
                          f"got {tad_scope!r}")
@@ -164,12 +168,12 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_
     B = per_task[tasks[0]]["base"].config.block_size
     result = {"config": {"train_steps": train_steps, "tad_steps": tad_steps, "tad_per_task": tad_per_task,
                          "tad_lr": tad_lr, "tad_scope": tad_scope, "tad_visible_weight": tad_visible_weight,
-                         "n_eval": n_eval, "block_size": B, "sweep": SWEEP}, "tasks": {}}
+                         "n_eval": n_eval, "block_size": B, "sweep": SWEEP, "repeats": repeats}, "tasks": {}}
     rows, aup_rows, target_rows = [], [], []
     for task in tasks:
         models = per_task[task]
         problems = TASKS[task].generate(n_eval, seed=1234, split="test")
-        table = {name: evaluate(models["base"], tok, task, problems, cfg) for name, cfg in decoders(B)}
+        table = {name: evaluate(models["base"], tok, task, problems, cfg, repeats) for name, cfg in decoders(B)}
         one_per_step = table[next(iter(table))]["seconds"]
         for name, r in table.items():
             r["wall_speedup"] = one_per_step / r["seconds"]
@@ -229,6 +233,7 @@ def add_arguments(p) -> None:
                    help="weight of TAD's optional CE on revealed tokens (0: the paper's loss)")
     p.add_argument("--n-eval", type=int, default=300, help="test problems per task")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--repeats", type=int, default=3, help="timed decodes per decoder (the median is reported)")
 
 
 def main(args) -> None:
@@ -237,4 +242,4 @@ def main(args) -> None:
         torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
         tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, block_size=args.block_size,
-        tad_lr=args.tad_lr, tad_scope=args.tad_scope, tad_visible_weight=args.tad_visible_weight)
+        tad_lr=args.tad_lr, tad_scope=args.tad_scope, tad_visible_weight=args.tad_visible_weight, repeats=args.repeats)
