@@ -28,21 +28,24 @@ RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_e
 
 
 def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None) -> None:
-    """Write model + ``trainer.pt`` (optimizer, torch RNG, ``state``) to ``folder``, replacing it whole."""
+    """Write model + ``trainer.pt`` (optimizer, torch's CPU and CUDA RNGs, ``state``) to ``folder``,
+    replacing it whole."""
     from arbor.models import save_model
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     save_model(model, tmp / "model", tokenizer=tokenizer)
-    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(), **state}, tmp / "trainer.pt")
+    rng = {"torch_rng": torch.get_rng_state(),
+           "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    torch.save({"optimizer": optimizer.state_dict(), **rng, **state}, tmp / "trainer.pt")
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
 
 
 def load_state(folder: Path, model, optimizer) -> dict | None:
-    """Load ``save_state``'s model weights, optimizer state and torch RNG; → the rest of the state, or
+    """Load ``save_state``'s model weights, optimizer state and torch RNGs; → the rest of the state, or
     None when ``folder`` holds no checkpoint."""
     from arbor.models.checkpoint import from_hf_tensors, read_tensors
     folder = Path(folder)
@@ -55,6 +58,9 @@ def load_state(folder: Path, model, optimizer) -> dict | None:
     state = torch.load(folder / "trainer.pt", weights_only=False)
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
+    cuda_rng = state.pop("cuda_rng")
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_rng)
     return state
 
 
