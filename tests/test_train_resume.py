@@ -48,10 +48,18 @@ def test_sft_resumes_bit_for_bit(tmp_path):
     whole, resumed = crash_then_resume(make, lambda m, until, folder: sft(m, ex, cfg, until=until, checkpoint_dir=folder),
                                        tmp_path / "ckpt", crash_after=5)      # checkpoint at 4, step 5 lost
     assert_same_weights(whole, resumed)
-    # a checkpoint written with other settings is refused, naming the setting
+    # a checkpoint written with other settings is refused, naming the setting, and nothing is loaded
+    fresh, untouched = make(), make()
     with pytest.raises(ValueError, match=r"optim.*delete"):
-        sft(make(), ex, SFTConfig(steps=7, batch_tokens=600, checkpoint_every=2, optim=OptimConfig(lr=1e-3)),
+        sft(fresh, ex, SFTConfig(steps=7, batch_tokens=600, checkpoint_every=2, optim=OptimConfig(lr=1e-3)),
             checkpoint_dir=tmp_path / "ckpt")
+    assert_same_weights(fresh, untouched)
+    # so is one without the state this version resumes from
+    state = torch.load(tmp_path / "ckpt" / "trainer.pt", weights_only=False)
+    del state["settings"]
+    torch.save(state, tmp_path / "ckpt" / "trainer.pt")
+    with pytest.raises(ValueError, match="lacks settings"):
+        sft(make(), ex, cfg, checkpoint_dir=tmp_path / "ckpt")
 
 
 def test_diffusion_training_resumes_bit_for_bit(tmp_path):

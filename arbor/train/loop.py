@@ -44,18 +44,24 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None) -> N
     tmp.rename(folder)
 
 
-def load_state(folder: Path, model, optimizer) -> dict | None:
+def load_state(folder: Path, model, optimizer, settings: dict) -> dict | None:
     """Load ``save_state``'s model weights, optimizer state and torch RNGs; → the rest of the state, or
-    None when ``folder`` holds no checkpoint."""
+    None when ``folder`` holds no checkpoint. Raises, changing nothing, when the checkpoint's
+    ``settings`` differ from ``settings`` (see ``settings_of``) or it comes from an older layout."""
     from arbor.models.checkpoint import from_hf_tensors, read_tensors
     folder = Path(folder)
     if not (folder / "trainer.pt").exists():
         return None
+    state = torch.load(folder / "trainer.pt", weights_only=False)
+    missing = sorted({"optimizer", "torch_rng", "cuda_rng", "settings"} - state.keys())
+    if missing:
+        raise ValueError(f"{folder} holds a checkpoint that this version of Arbor cannot resume (it lacks "
+                         f"{', '.join(missing)}); delete {folder} to start over")
+    _check_same_settings(folder, state["settings"], settings)
     tensors = from_hf_tensors(read_tensors(folder / "model"), model)
     with torch.no_grad():
         for name, p in model.state_dict().items():
             p.copy_(tensors[name])
-    state = torch.load(folder / "trainer.pt", weights_only=False)
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
     cuda_rng = state.pop("cuda_rng")
@@ -70,8 +76,7 @@ def settings_of(cfg) -> dict:
     return {k: v for k, v in d.items() if k not in RESUMABLE_CHANGES}
 
 
-def check_same_settings(folder: Path, saved: dict, now: dict) -> None:
-    """Raise, naming each difference, unless a checkpoint's ``settings_of`` equals the current run's."""
+def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
     diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if diff:
         changes = ", ".join(f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in diff)
@@ -90,9 +95,8 @@ def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None
     start, history = 0, []
     settings = settings_of(cfg)
     if checkpoint_dir is not None:
-        state = load_state(checkpoint_dir, model, opt)
+        state = load_state(checkpoint_dir, model, opt, settings)
         if state is not None:
-            check_same_settings(Path(checkpoint_dir), state["settings"], settings)
             start, history = state["step"], state["history"]
             rng.setstate(state["rng"])
     model.train()

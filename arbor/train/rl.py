@@ -27,7 +27,7 @@ import torch
 from arbor.rollout.collector import Collector, RolloutConfig
 from arbor.train.advantages import group_advantages
 from arbor.train.losses import LossConfig, policy_loss
-from arbor.train.loop import check_same_settings, load_state, save_state, settings_of
+from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
@@ -218,8 +218,7 @@ class RLTrainer:
             "settings": settings_of(self.cfg)})
 
     def load(self, folder: Path) -> None:
-        s = load_state(folder, self.model, self.optimizer)
-        check_same_settings(folder, s["settings"], settings_of(self.cfg))
+        s = load_state(folder, self.model, self.optimizer, settings_of(self.cfg))
         self.step, self.pool, self.history = s["step"], s["pool"], s["history"]
         self.next_problem, self.next_group = s["next_problem"], s["next_group"]
         self.collector.version = s["version"]
