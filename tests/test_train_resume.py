@@ -18,15 +18,19 @@ from tests.test_diffusion_train import TINY
 from tests.test_sft import SMALL, examples
 
 
-def crash_then_resume(make_model, train, folder, crash_after: int):
+def crash_then_resume(make_model, train, folder, crash_after: int, after_crash=None):
     """Train to the end in one go; then train in a fresh "process" that stops after ``crash_after``
     steps, and again in another one that resumes from its checkpoint → (uninterrupted, resumed)."""
     whole = make_model()
     h_whole = train(whole, None, None)
     crashed = make_model()
     train(crashed, lambda step: step + 1 == crash_after, folder)
-    resumed = make_model()
-    h_resumed = train(resumed, None, folder)
+    if after_crash:
+        after_crash()
+    resumed, seen = make_model(), []
+    h_resumed = train(resumed, lambda step: seen.append(step) and False, folder)
+    every = 2                                           # every test checkpoints each 2 steps
+    assert seen[0] == crash_after // every * every      # it did resume: from the last checkpoint
     assert h_resumed == h_whole
     return whole, resumed
 
@@ -72,8 +76,9 @@ def test_diffusion_training_resumes_bit_for_bit(tmp_path):
 
     whole, resumed = crash_then_resume(make, lambda m, until, folder: train_diffusion(m, data, cfg, until=until,
                                                                                     checkpoint_dir=folder),
-                                       tmp_path / "ckpt", crash_after=3)
-    assert_same_weights(whole, resumed)
+                                       tmp_path / "ckpt", crash_after=3,
+                                       after_crash=lambda: (tmp_path / "ckpt").rename(tmp_path / "ckpt.tmp"))
+    assert_same_weights(whole, resumed)      # found in ckpt.tmp: the crash came between save_state's moves
 
 
 def test_tad_resumes_bit_for_bit(tmp_path):

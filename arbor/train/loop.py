@@ -3,10 +3,10 @@
 Each step: ``step_fn(rng)`` draws a batch with ``rng`` (a ``random.Random(cfg.seed)``), runs forward
 and backward, and returns the quantities to log; then ``optimizer_step`` clips and takes the
 scheduled AdamW step. Every ``cfg.checkpoint_every`` steps (and after the last) the loop writes
-``checkpoint_dir`` atomically (a temporary folder renamed over the old one): the model (HF layout),
-the optimizer state, the step, ``rng``'s and torch's random states, the logged history and the
-config. Started again with a checkpoint there, it resumes from it; a checkpoint written with other
-settings (anything but ``RESUMABLE_CHANGES``) is refused with an error naming them.
+``checkpoint_dir`` (crash-safe: see ``save_state``): the model (HF layout), the optimizer state, the
+step, ``rng``'s and torch's random states, the logged history and the config. Started again with a
+checkpoint there, it resumes from it; a checkpoint written with other settings (anything but
+``RESUMABLE_CHANGES``) is refused with an error naming them.
 
 Invariant: a run stopped anywhere and started again with the same config ends with the same
 weights and history, bit for bit, as one that never stopped (tests/test_train_resume.py).
@@ -28,20 +28,30 @@ RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_e
 
 
 def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None) -> None:
-    """Write model + ``trainer.pt`` (optimizer, torch's CPU and CUDA RNGs, ``state``) to ``folder``,
-    replacing it whole."""
+    """Write model + ``trainer.pt`` (optimizer, torch's CPU and CUDA RNGs, ``state``) to ``folder``.
+
+    Crash-safe: the new checkpoint is written whole to ``folder.tmp`` (``trainer.pt`` last, by a
+    rename), then the old one is invalidated (its ``trainer.pt`` removed first), deleted, and the new
+    one renamed into place; at any moment ``folder`` or ``folder.tmp`` holds a complete checkpoint,
+    which ``load_state`` finds."""
     from arbor.models import save_model
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = _tmp(folder)
     if tmp.exists():
         shutil.rmtree(tmp)
     save_model(model, tmp / "model", tokenizer=tokenizer)
     rng = {"torch_rng": torch.get_rng_state(),
            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save({"optimizer": optimizer.state_dict(), **rng, **state}, tmp / "trainer.pt")
+    torch.save({"optimizer": optimizer.state_dict(), **rng, **state}, tmp / "trainer.part")
+    (tmp / "trainer.part").rename(tmp / "trainer.pt")
     if folder.exists():
+        (folder / "trainer.pt").unlink(missing_ok=True)
         shutil.rmtree(folder)
     tmp.rename(folder)
+
+
+def _tmp(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".tmp")
 
 
 def load_state(folder: Path, model, optimizer, settings: dict) -> dict | None:
@@ -51,7 +61,11 @@ def load_state(folder: Path, model, optimizer, settings: dict) -> dict | None:
     from arbor.models.checkpoint import from_hf_tensors, read_tensors
     folder = Path(folder)
     if not (folder / "trainer.pt").exists():
-        return None
+        if not (_tmp(folder) / "trainer.pt").exists():
+            return None
+        if folder.exists():                       # save_state stopped between its last two moves
+            shutil.rmtree(folder)
+        _tmp(folder).rename(folder)
     state = torch.load(folder / "trainer.pt", weights_only=False)
     missing = sorted({"optimizer", "torch_rng", "cuda_rng", "settings"} - state.keys())
     if missing:
