@@ -103,3 +103,6 @@ def test_cli_sft_resumes_from_its_checkpoint(tmp_path, capsys):
     logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(logged) == 1 and "'step': 2" in logged[0]
     assert load_model(out).config.num_hidden_layers > 0
+    # other data into the same folder: refused (the run's settings, not only the optimizer's, must match)
+    assert cli_main(["sft", *words, "train.steps=3", "demos=20"]) == 2
+    assert "demos: 16 → 20" in capsys.readouterr().err

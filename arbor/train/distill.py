@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from arbor.engine.diffusion import DecodeConfig, diffusion_generate
 from arbor.train.diffusion import Example, PaddedBlockAttention
-from arbor.train.loop import train_loop
+from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
 
 QUALITY_DELTA, SPEED_DELTA = 2, 8
@@ -155,9 +155,9 @@ def _forward_rows(model, prompts, states, regions):
 
 
 def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=None, on_log=None, until=None,
-            checkpoint_dir=None) -> list[dict]:
+            checkpoint_dir=None, settings=None) -> list[dict]:
     """Train ``student`` in place on TAD pairs; ``teacher`` defaults to a frozen copy of it. Resumes
-    from ``checkpoint_dir`` when it holds a checkpoint (``arbor.train.loop``)."""
+    from ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``)."""
     teacher = teacher if teacher is not None else copy.deepcopy(student)
     teacher.eval().requires_grad_(False)
     mask_id, B = student.config.mask_token_id, student.config.block_size
@@ -181,7 +181,7 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
         parts["loss"].backward()
         return {k: v.detach() for k, v in parts.items()}
 
-    return train_loop(student, cfg, step, on_log, until, checkpoint_dir)
+    return train_loop(student, cfg, step, on_log, until, checkpoint_dir, settings)
 
 
 def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:
@@ -218,7 +218,10 @@ def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"
     for mode in modes:
         delta = cfg.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
         student = load_model(model_dir, device=device)
-        distill(student, trajectories, replace(cfg, delta=delta), teacher=teacher, on_log=on_log,
-                checkpoint_dir=Path(out_dir) / mode / "checkpoint")
+        mode_cfg = replace(cfg, delta=delta)
+        settings = {"teacher": str(Path(model_dir).resolve()), "tasks": list(tasks or TASKS), "per_task": per_task,
+                    "tad": settings_of(mode_cfg)}
+        distill(student, trajectories, mode_cfg, teacher=teacher, on_log=on_log,
+                checkpoint_dir=Path(out_dir) / mode / "checkpoint", settings=settings)
         out[mode] = save_model(student, Path(out_dir) / mode, tokenizer=tok)
     return out

@@ -85,9 +85,12 @@ def load_state(folder: Path, model, optimizer, settings: dict) -> dict | None:
 
 
 def settings_of(cfg) -> dict:
-    """The config as plain JSON values, less the keys a resumed run may change."""
-    d = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    return {k: v for k, v in d.items() if k not in RESUMABLE_CHANGES}
+    """A config (dataclass) as plain JSON values, less the keys a resumed run may change (at any depth)."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in RESUMABLE_CHANGES}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return strip(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
 
 
 def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
@@ -98,16 +101,17 @@ def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
                          f"run with the same settings to resume it, or delete {folder} to start over")
 
 
-def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None) -> list[dict]:
+def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None, settings=None) -> list[dict]:
     """Train ``model`` in place for ``cfg.steps`` steps (see module docstring); → the logged rows.
 
     ``cfg`` needs ``steps``, ``seed``, ``log_every``, ``checkpoint_every`` (0: never) and ``optim``.
     ``until(step)`` is asked after each step and ends training early when true. With
-    ``checkpoint_dir`` None nothing is written."""
+    ``checkpoint_dir`` None nothing is written. ``settings`` (default ``settings_of(cfg)``) is what a
+    checkpoint must match to be resumed: callers pass the whole run's (model, data, …)."""
     rng = random.Random(cfg.seed)
     opt = make_optimizer(model, cfg.optim)
     start, history = 0, []
-    settings = settings_of(cfg)
+    settings = settings_of(cfg) if settings is None else settings
     if checkpoint_dir is not None:
         state = load_state(checkpoint_dir, model, opt, settings)
         if state is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.train.logprobs import packed_logprobs
-from arbor.train.loop import train_loop
+from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
 from arbor.train.tree_forward import tree_packed_logprobs
 from arbor.train.tree_plan import first_fit_decreasing
@@ -45,10 +45,11 @@ def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
 
 
 def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None, until=None,
-        checkpoint_dir=None) -> list[dict]:
+        checkpoint_dir=None, settings=None) -> list[dict]:
     """examples: (ids, loss_mask) pairs. Trains ``model`` in place for ``cfg.steps`` steps, or
     until ``until(step)`` (called after each optimizer step) says stop, resuming from
-    ``checkpoint_dir`` when it holds a checkpoint (``arbor.train.loop``); returns the logged metrics."""
+    ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``);
+    returns the logged metrics."""
     if not examples:
         raise ValueError("sft needs at least one demonstration")
     aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
@@ -72,7 +73,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
             loss_sum += float(loss.detach())
         return {"loss": loss_sum, **({"moe_aux": aux_sum} if aux_coef else {})}
 
-    return train_loop(model, cfg, step, on_log, until, checkpoint_dir)
+    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, settings)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
     examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
     stop = None if until is None else (lambda step: until(model, tok, step))
-    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint")
+    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg))
     save_model(model, cfg.out, tokenizer=tok)
     (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
     return model, tok, history
