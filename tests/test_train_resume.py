@@ -9,7 +9,7 @@ from arbor.cli import main as cli_main
 from arbor.models import CausalLM, ModelConfig, load_model
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.train.diffusion import DiffusionTrainConfig, build_model, task_examples, train_diffusion
-from arbor.train.distill import TADConfig, distill, record_trajectories
+from arbor.train.distill import TADConfig, cached_trajectories, distill, record_trajectories
 from arbor.train.diffusion import Example
 from arbor.train.optim import OptimConfig
 from arbor.train.sft import SFTConfig, sft
@@ -91,6 +91,23 @@ def test_tad_resumes_bit_for_bit(tmp_path):
                                                                         checkpoint_dir=folder),
                                        tmp_path / "ckpt", crash_after=3)
     assert_same_weights(whole, resumed)
+
+
+def test_teacher_trajectories_are_recorded_once_per_source(tmp_path):
+    teacher = tiny_model(block_size=4, seed=12, scale=0.3)
+    data = [Example([5 + i, 6, 7], [0] * 6, [9, 9, 9, 9, 5 + i, 6, 7]) for i in range(3)]
+    calls = []
+
+    def record(n):
+        calls.append(n)
+        return record_trajectories(teacher, data[:n], lambda i, toks: True, gen_length=6)
+
+    path = tmp_path / "tad" / "trajectories.pt"
+    first = cached_trajectories(path, {"per_task": 3}, lambda: record(3))
+    again = cached_trajectories(path, {"per_task": 3}, lambda: record(3))          # a resumed run: loaded
+    other = cached_trajectories(path, {"per_task": 2}, lambda: record(2))          # another source: recorded
+    assert calls == [3, 2] and len(other) == 2
+    assert [[s.tolist() for s in t.states] for t in again] == [[s.tolist() for s in t.states] for t in first]
 
 
 def test_cli_sft_resumes_from_its_checkpoint(tmp_path, capsys):

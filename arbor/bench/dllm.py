@@ -28,7 +28,8 @@ from arbor.models import BlockDiffusionAttention, load_model, save_model
 from arbor.models.tokenizer import Tokenizer
 from arbor.train.diffusion import TASKS, DiffusionModelConfig, DiffusionTrainConfig, train_from_config
 from arbor.train.optim import OptimConfig
-from arbor.train.distill import QUALITY_DELTA, SPEED_DELTA, TADConfig, distill, teacher_trajectories
+from arbor.train.distill import (QUALITY_DELTA, SPEED_DELTA, TADConfig, cached_trajectories, distill,
+                                 teacher_trajectories)
 
 SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)
 DATA_VERSION = 4          # bump when a task generator changes, so cached models are retrained
@@ -132,7 +133,9 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
                 f"{base_dir.name}_{name.lower()}{tag}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}_d{delta}")
             if not (folder / "config.json").exists():
                 if trajectories is None:
-                    trajectories = teacher_trajectories(base, tok, group_tasks, tad_per_task)
+                    source = {"tasks": group_tasks, "per_task": tad_per_task}
+                    trajectories = cached_trajectories(base_dir / f"trajectories_{group}_p{tad_per_task}.pt", source,
+                                                       lambda: teacher_trajectories(base, tok, group_tasks, tad_per_task))
                     log(f"TAD ({group}): {len(trajectories)} correct teacher trajectories")
                 student = load_model(base_dir, device=device)
                 tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, visible_weight=tad_visible_weight,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -198,30 +199,46 @@ def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, se
     return out
 
 
+def cached_trajectories(path, key: dict, record) -> list[Trajectory]:
+    """``record()``'s trajectories, saved to ``path`` with ``key`` (what they were recorded from) and
+    loaded from there instead when an earlier run with the same key left them."""
+    path = Path(path)
+    if path.exists():
+        saved = torch.load(path, weights_only=False)
+        if saved["key"] == key:
+            return saved["trajectories"]
+    trajectories = record()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "trajectories": trajectories}, path.with_suffix(".part"))
+    path.with_suffix(".part").rename(path)
+    return trajectories
+
+
 def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"), tasks=None,
                    per_task: int = 1000, device: str = "cpu", on_log=print) -> dict:
     """Load a block-diffusion checkpoint, record its trajectories, write one student per mode
     (``out_dir/quality`` with Δ = QUALITY_DELTA, ``out_dir/speed`` with Δ = SPEED_DELTA unless
-    ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}. Each student's
-    training resumes from ``out_dir/<mode>/checkpoint`` when a stopped run left one there."""
+    ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}. Nothing is
+    lost to a crash: the trajectories are kept in ``out_dir/trajectories.pt`` and each student's
+    training resumes from ``out_dir/<mode>/checkpoint``."""
     from dataclasses import replace
-    from pathlib import Path
 
     from arbor.models import load_model, save_model
     from arbor.models.tokenizer import Tokenizer
     from arbor.train.diffusion import TASKS
     tok = Tokenizer.load(model_dir)
     teacher = load_model(model_dir, device=device).eval()
-    trajectories = teacher_trajectories(teacher, tok, list(tasks or TASKS), per_task, cfg.seed)
+    source = {"teacher": str(Path(model_dir).resolve()), "tasks": list(tasks or TASKS), "per_task": per_task,
+              "seed": cfg.seed}
+    trajectories = cached_trajectories(Path(out_dir) / "trajectories.pt", source, lambda: teacher_trajectories(
+        teacher, tok, source["tasks"], per_task, cfg.seed))
     on_log({"correct_trajectories": len(trajectories)})
     out = {}
     for mode in modes:
         delta = cfg.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
         student = load_model(model_dir, device=device)
         mode_cfg = replace(cfg, delta=delta)
-        settings = {"teacher": str(Path(model_dir).resolve()), "tasks": list(tasks or TASKS), "per_task": per_task,
-                    "tad": settings_of(mode_cfg)}
         distill(student, trajectories, mode_cfg, teacher=teacher, on_log=on_log,
-                checkpoint_dir=Path(out_dir) / mode / "checkpoint", settings=settings)
+                checkpoint_dir=Path(out_dir) / mode / "checkpoint", settings={**source, "tad": settings_of(mode_cfg)})
         out[mode] = save_model(student, Path(out_dir) / mode, tokenizer=tok)
     return out
