@@ -235,6 +235,7 @@ def add_arguments(p) -> None:
     p.add_argument("--tad-visible-weight", type=float, default=0.0,
                    help="weight of TAD's optional CE on revealed tokens (0: the paper's loss)")
     p.add_argument("--n-eval", type=int, default=300, help="test problems per task")
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="tasks to evaluate")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per decoder (the median is reported)")
 
@@ -244,5 +245,6 @@ def main(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     run(out_dir=args.out, cache_dir=args.cache, train_steps=args.train_steps, tad_steps=args.tad_steps,
-        tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, block_size=args.block_size,
-        tad_lr=args.tad_lr, tad_scope=args.tad_scope, tad_visible_weight=args.tad_visible_weight, repeats=args.repeats)
+        tad_per_task=args.tad_per_task, n_eval=args.n_eval, device=args.device, tasks=tuple(args.tasks),
+        block_size=args.block_size, tad_lr=args.tad_lr, tad_scope=args.tad_scope,
+        tad_visible_weight=args.tad_visible_weight, repeats=args.repeats)
