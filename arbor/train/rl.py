@@ -15,7 +15,6 @@ waits for all of them (the synchronous baseline).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -250,6 +249,3 @@ class RLTrainer:
         metrics.close()
         return self.history
 
-
-def run_sync(coro):
-    return asyncio.run(coro)
