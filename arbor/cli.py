@@ -164,6 +164,8 @@ def add_generate(sub) -> None:
     d.add_argument("--steps-per-block", type=int)
     d.add_argument("--gen-length", type=int, default=32)
     d.add_argument("--no-cache", action="store_true", help="re-forward all blocks every step (reference path)")
+    d.add_argument("--show-steps", action="store_true",
+                   help="print the response after every forward (_ = mask, · = stop) with its unmasks and edits")
     p.set_defaults(func=_run_generate)
 
 
@@ -221,9 +223,23 @@ def _run_diffusion_generate(a) -> None:
         knobs["editing_threshold"] = a.editing_threshold
     preset = speed if a.mode == "speed" else quality
     cfg = preset(gen_length=a.gen_length, use_cache=not a.no_cache, **{"block_size": None, **knobs})
-    model = load_model(a.model, device=a.device).eval()
-    for prompt, (text, r) in zip(a.prompts, generate_text(model, Tokenizer.load(a.model), a.prompts, cfg)):
+    cfg.record = a.show_steps
+    model, tok = load_model(a.model, device=a.device).eval(), Tokenizer.load(a.model)
+    for prompt, (text, r) in zip(a.prompts, generate_text(model, tok, a.prompts, cfg)):
         print(f"{prompt}{text}\t[{r.num_tokens} tokens, {r.forwards} forwards, TPF {r.tpf:.2f}, {r.edits} edits]")
+        if a.show_steps:
+            _print_steps(r.trajectory, model.config.mask_token_id, tok)
+
+
+def _print_steps(trajectory, mask_id: int, tok) -> None:
+    """One line per forward: the response state, and how many masks it filled and tokens it edited."""
+    shown = lambda t: "_" if t == mask_id else "·" if t == tok.eos_token_id else tok.decode([t])
+    before = trajectory[0].clone().fill_(mask_id) if trajectory else None      # the response starts all masked
+    for i, state in enumerate(trajectory, 1):
+        was_masked = before == mask_id
+        filled, edited = int((was_masked & (state != mask_id)).sum()), int((~was_masked & (state != before)).sum())
+        print(f"  step {i:3d}  {''.join(shown(t) for t in state.tolist())}  +{filled} unmasked, {edited} edited")
+        before = state
 
 
 SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate, add_serve]

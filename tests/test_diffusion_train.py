@@ -105,6 +105,12 @@ def test_cli_dllm_train_then_generate(tmp_path, capsys):
                      "--gen-length", "6"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("add:1+2=") and "forwards" in line and "0 edits" in line
+    assert cli_main(["generate", str(out), "add:1+2=", "--mode", "speed", "--gen-length", "6", "--show-steps"]) == 0
+    head, *steps = capsys.readouterr().out.strip().splitlines()
+    forwards = int(head.split(" forwards")[0].split()[-1])
+    assert len(steps) == forwards and steps[0].split()[:2] == ["step", "1"]
+    assert sum(int(s.split("+")[-1].split()[0]) for s in steps) == 6          # every mask filled exactly once
+    assert sum(int(s.split(", ")[-1].split()[0]) for s in steps) == int(head.split(" edits")[0].split()[-1])
     # an untrained teacher decodes no task correctly, so TAD must refuse rather than train on nothing
     assert cli_main(["dllm-distill", "--model", str(out), "--out", str(tmp_path / "tad"), "--per-task", "2",
                      "steps=2", "batch_size=2"]) == 2
