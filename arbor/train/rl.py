@@ -216,13 +216,17 @@ class RLTrainer:
             "version": self.collector.version, "history": self.history, "python_rng": random.getstate(),
             "settings": settings_of(self.cfg)})
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path) -> bool:
+        """Resume from ``folder``'s checkpoint; False (nothing changed) when there is none."""
         s = load_state(folder, self.model, self.optimizer, settings_of(self.cfg))
+        if s is None:
+            return False
         self.step, self.pool, self.history = s["step"], s["pool"], s["history"]
         self.next_problem, self.next_group = s["next_problem"], s["next_group"]
         self.collector.version = s["version"]
         random.setstate(s["python_rng"])
         self.engine.update_weights(self.model.state_dict())
+        return True
 
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
         """Train to ``cfg.steps`` (resuming from ``out/checkpoint``); ``stop_after`` ends early
@@ -230,7 +234,7 @@ class RLTrainer:
         out = Path(self.cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         ckpt = out / "checkpoint"
-        if self.cfg.resume and (ckpt / "trainer.pt").exists():
+        if self.cfg.resume:
             self.load(ckpt)
         metrics = (out / "metrics.jsonl").open("a")
         done = 0
