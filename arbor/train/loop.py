@@ -72,10 +72,7 @@ def load_state(folder: Path, model, optimizer, settings: dict) -> dict | None:
         raise ValueError(f"{folder} holds a checkpoint that this version of Arbor cannot resume (it lacks "
                          f"{', '.join(missing)}); delete {folder} to start over")
     _check_same_settings(folder, state["settings"], settings)
-    tensors = from_hf_tensors(read_tensors(folder / "model"), model)
-    with torch.no_grad():
-        for name, p in model.state_dict().items():
-            p.copy_(tensors[name])
+    model.load_state_dict(from_hf_tensors(read_tensors(folder / "model"), model))
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
     cuda_rng = state.pop("cuda_rng")
