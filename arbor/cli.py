@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine"]
@@ -242,7 +243,25 @@ def _print_steps(trajectory, mask_id: int, tok) -> None:
         before = state
 
 
-SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate, add_serve]
+def add_launch(sub) -> None:
+    p = sub.add_parser("launch", help="run an arbor subcommand on N local ranks (torchrun's environment)")
+    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    p.add_argument("--threads", type=int, help="intra-op threads per rank (default: cores ÷ ranks)")
+    p.add_argument("--timeout", type=float, help="seconds before every rank is killed (default: none)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the subcommand and its arguments, e.g. train k=v")
+
+    def run(a):
+        from arbor.dist.launch import launch
+        if not a.command:
+            raise ValueError("give the subcommand to run, e.g. `arbor launch -n 2 sft model=tiny-moe`")
+        if a.command[0] == "launch":
+            raise ValueError("`arbor launch` cannot launch itself")
+        return launch([sys.executable, "-m", "arbor.cli", *a.command], a.nprocs, a.threads, a.timeout).returncode
+
+    p.set_defaults(func=run)
+
+
+SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate, add_serve, add_launch]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,11 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from arbor.dist import CollectiveError, TagMismatchError
     try:
         result = args.func(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"arbor {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except (CollectiveError, TagMismatchError) as e:
+        # a broken process group can block interpreter shutdown: leave at once
+        print(f"arbor {args.command}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
     return int(result or 0)
 
 

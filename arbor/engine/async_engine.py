@@ -5,11 +5,19 @@ work is queued (each step is synchronous, so weight updates and aborts always la
 steps), hands every request's fresh snapshot to its queue, and sleeps when idle. A stream
 closed early (``aclose``, cancellation) aborts its request. A new event loop (another
 ``asyncio.run``) gets a new engine task; the engine state carries over.
+
+Distributed expert-parallel engine (``LLMEngine.lockstep``): requests are streamed only inside
+``async with engine.session():``, which every rank enters. Each loop iteration is one MAX
+all-reduce of (this rank has work, this rank's session is open) on the control group, then one
+step on every rank (idle where a rank has nothing) while any rank has work; the loop ends when no
+rank has work and every session has closed. A rank waiting on its tools meanwhile keeps joining
+the other ranks' forwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from arbor.engine.config import EngineConfig
 from arbor.engine.llm_engine import LLMEngine
@@ -18,11 +26,28 @@ from arbor.engine.sequence import Completion
 
 
 class AsyncLLMEngine:
-    def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None):
-        self.engine = LLMEngine(model_or_path, config, tokenizer)
+    def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None, ctx=None):
+        self.engine = LLMEngine(model_or_path, config, tokenizer, ctx)
         self.queues: dict[str, asyncio.Queue] = {}
         self._loop = self._task = self._wake = None
         self._paused = False
+        self._open = False
+
+    @contextlib.asynccontextmanager
+    async def session(self):
+        """A window in which this engine serves streams. Collective under lockstep (every rank must
+        enter and leave it; leaving waits until no rank has work); a no-op otherwise."""
+        if not self.engine.lockstep:
+            yield self
+            return
+        self._open = True
+        self._ensure_loop()
+        try:
+            yield self
+        finally:
+            self._open = False
+            self._wake.set()
+            await self._task
 
     @property
     def tokenizer(self):
@@ -33,13 +58,43 @@ class AsyncLLMEngine:
         return self.engine.model.config
 
     def _ensure_loop(self) -> None:
+        if self.engine.lockstep and not self._open:
+            raise RuntimeError("a distributed engine streams only inside `async with engine.session():`, "
+                               "entered by every rank")
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._task is None or self._task.done():
             self._loop, self._wake = loop, asyncio.Event()
             self._task = loop.create_task(self._run())
         self._wake.set()
 
+    async def _run_lockstep(self) -> None:
+        eng = self.engine
+        while True:
+            local = eng.has_unfinished() and not self._paused
+            work, still_open = eng.ctx.flags_max(float(local), float(self._open), name="engine lockstep")
+            if work:
+                try:
+                    updated = eng.step() if local else eng.idle_step() or []
+                except Exception as e:
+                    for q in self.queues.values():
+                        q.put_nowait(e)
+                    raise
+                self._publish(updated)
+                await asyncio.sleep(0)
+            elif still_open:
+                await asyncio.sleep(0.001)
+            else:
+                return
+
+    def _publish(self, updated) -> None:
+        for seq in updated:
+            q = self.queues.get(seq.request_id)
+            if q is not None:  # text only on the final snapshot (decoding every step is O(n²))
+                q.put_nowait(seq.completion(self.engine.tokenizer if seq.is_finished else None))
+
     async def _run(self) -> None:
+        if self.engine.lockstep:
+            return await self._run_lockstep()
         eng = self.engine
         while True:
             if self._paused or not eng.has_unfinished():
@@ -55,10 +110,7 @@ class AsyncLLMEngine:
                     eng.abort(rid)
                 await asyncio.sleep(0)
                 continue
-            for seq in updated:
-                q = self.queues.get(seq.request_id)
-                if q is not None:  # text only on the final snapshot (decoding every step is O(n²))
-                    q.put_nowait(seq.completion(eng.tokenizer if seq.is_finished else None))
+            self._publish(updated)
             await asyncio.sleep(0)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

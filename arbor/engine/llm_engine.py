@@ -3,6 +3,12 @@
 ``step()`` = schedule → forward → sample → append / stop checks → free finished sequences.
 A request with ``n`` samples becomes n sequences; samples after the first wait until the
 first one's prompt KV is computed, then share it through the prefix cache.
+
+Distributed (``ctx`` with ``ep_size`` > 1): attention is data-parallel — each rank has its own
+requests, KV and scheduler — and the experts are split over the EP group. Every ``step()`` then runs
+exactly one forward, an idle one (``idle_forward``) when this rank has nothing scheduled, so the
+ranks' expert all-to-alls line up; ``generate`` steps until no rank has work (one MAX all-reduce
+per step on the control group).
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ from arbor.engine.sequence import Completion, Sequence
 log = logging.getLogger(__name__)
 
 
-def _load(model_or_path, cfg: EngineConfig, tokenizer):
+def _load(model_or_path, cfg: EngineConfig, tokenizer, ctx=None):
     """→ (model, tokenizer, whether the engine owns the model: loaded or converted here)."""
     if isinstance(model_or_path, (str, Path)):
         from arbor.models import load_model
         folder = Path(model_or_path)
-        model = load_model(folder, dtype=cfg.torch_dtype, device=cfg.device)
+        model = load_model(folder, dtype=cfg.torch_dtype, device=cfg.device, ctx=ctx)
         if tokenizer is None and (folder / "tokenizer.json").exists():
             from arbor.models.tokenizer import Tokenizer
             tokenizer = Tokenizer.load(folder)
@@ -45,12 +51,18 @@ def _load(model_or_path, cfg: EngineConfig, tokenizer):
 
 
 class LLMEngine:
-    def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None):
+    def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None, ctx=None):
         """A module in the engine's dtype and device is served as is (weight updates then move
         nothing); otherwise the engine keeps its own converted copy, whose linear weights it
-        packs for oneDNN when that copy is bfloat16 on CPU (``cpu_linear``)."""
+        packs for oneDNN when that copy is bfloat16 on CPU (``cpu_linear``). ``ctx``: the rank
+        context of a distributed engine (a folder is then loaded with its experts sharded; a
+        module must already be sharded with ``shard_experts``)."""
         self.config = cfg = config or EngineConfig()
-        self.model, self.tokenizer, owned = _load(model_or_path, cfg, tokenizer)
+        self.model, self.tokenizer, owned = _load(model_or_path, cfg, tokenizer, ctx)
+        self.ctx = ctx
+        self.lockstep = getattr(self.model, "ep_state", None) is not None
+        if self.lockstep and ctx is None:
+            raise ValueError("an expert-parallel model needs the engine to get its rank context (ctx=...)")
         self.num_packed = pack_linears(self.model) if owned else 0
         mc = self.model.config
         has_linear = "linear_attention" in mc.layer_types
@@ -122,6 +134,8 @@ class LLMEngine:
         """One forward; → the sequences that got a token this step (finished ones included)."""
         batch = self.scheduler.schedule()
         if not batch:
+            if self.lockstep:
+                self.idle_step()
             return []
         routing = any(s.params.return_routed_experts for s, _ in batch)
         batch, sampled, logits, routed, offsets = self.runner.run(batch, routing)
@@ -145,6 +159,19 @@ class LLMEngine:
                 seq.finish_time = time.perf_counter()
         self.num_steps += 1
         return sampled
+
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """Join the other ranks' expert exchanges of one forward with no tokens of this rank's own."""
+        from arbor.models.expert_parallel import idle_forward
+        idle_forward(self.model)
+        self.num_steps += 1
+
+    def any_rank_unfinished(self) -> bool:
+        """``has_unfinished`` of any rank (one collective under lockstep; this rank's alone otherwise)."""
+        if not self.lockstep:
+            return self.has_unfinished()
+        return bool(self.ctx.flags_max(float(self.has_unfinished()), name="engine work")[0])
 
     def _check_stop_strings(self, seq: Sequence) -> str | None:
         if not seq.params.stop:
@@ -179,7 +206,7 @@ class LLMEngine:
         if self.config.progress if progress is None else progress:
             from tqdm import tqdm
             bar = tqdm(total=sum(sp.n for sp in params), desc="generate", unit="seq")
-        while self.has_unfinished():
+        while self.any_rank_unfinished():
             for seq in self.step():
                 if bar is not None and seq.is_finished:
                     bar.update(1)

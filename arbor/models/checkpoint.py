@@ -32,8 +32,14 @@ class CheckpointError(ValueError):
     """A checkpoint whose tensors do not fit the config; the message names the tensor."""
 
 
+def _expert_ids(model, prefix: str, count: int) -> list[int]:
+    """Logical ids of an Experts module's slots (all of them, or the rank's own under EP)."""
+    return getattr(model.get_submodule(prefix), "expert_ids", None) or list(range(count))
+
+
 def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Arbor state dict → HF-named tensors (experts split, a tied lm_head left out)."""
+    """Arbor state dict → HF-named tensors (experts split, a tied lm_head left out). Under expert
+    parallelism: this rank's experts only, under their logical ids."""
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -43,11 +49,11 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
             out[name] = t
             continue
         prefix, kind = m.groups()
-        for e in range(t.shape[0]):
+        for j, e in enumerate(_expert_ids(model, prefix, t.shape[0])):
             if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+                out[f"{prefix}.{e}.down_proj.weight"] = t[j]
             else:
-                gate, up = t[e].chunk(2, dim=0)
+                gate, up = t[j].chunk(2, dim=0)
                 out[f"{prefix}.{e}.gate_proj.weight"] = gate
                 out[f"{prefix}.{e}.up_proj.weight"] = up
     return {k: v.contiguous() for k, v in out.items()}
@@ -58,7 +64,8 @@ def _shape(t) -> list[int]:
 
 
 def from_hf_tensors(tensors: dict[str, torch.Tensor], model: CausalLM) -> dict[str, torch.Tensor]:
-    """HF-named tensors → a complete Arbor state dict for ``model``, validated."""
+    """HF-named tensors → a complete Arbor state dict for ``model``, validated. Under expert
+    parallelism the model's own experts are taken (``tensors`` may hold only those)."""
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -70,7 +77,8 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], model: CausalLM) -> dict[s
         if m:
             experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
         elif name in expected:
-            out[name] = t
+            fused = _FUSED.match(name)
+            out[name] = t[_expert_ids(model, fused.group(1), t.shape[0])] if fused else t
         else:
             raise CheckpointError(f"unexpected tensor '{name}' {_shape(t)} in the checkpoint: the config "
                                   f"({model.config.architecture}, {model.config.num_hidden_layers} layers) has no such weight")
@@ -79,12 +87,13 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], model: CausalLM) -> dict[s
         if gu_name not in expected:
             name = f"{prefix}.{next(iter(parts))[0]}.gate_proj.weight"
             raise CheckpointError(f"unexpected tensor '{name}': layer '{prefix[:-12]}' is not an MoE layer in this config")
-        num_e, two_i, d = expected[gu_name].shape
+        num_e, (local, two_i, d) = model.config.num_experts, expected[gu_name].shape
         want = {"gate_proj": [two_i // 2, d], "up_proj": [two_i // 2, d], "down_proj": [d, two_i // 2]}
         for (e, kind), t in parts.items():
             if e >= num_e:
                 raise CheckpointError(f"unexpected tensor '{prefix}.{e}.{kind}.weight': the config has {num_e} experts")
-        for e in range(num_e):
+        mine = _expert_ids(model, prefix, local)
+        for e in mine:
             for kind, shape in want.items():
                 t = parts.get((e, kind))
                 name = f"{prefix}.{e}.{kind}.weight"
@@ -92,8 +101,8 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], model: CausalLM) -> dict[s
                     raise CheckpointError(f"missing tensor '{name}' (expected shape {shape})")
                 if _shape(t) != shape:
                     raise CheckpointError(f"tensor '{name}' has shape {_shape(t)}, expected {shape}")
-        out[gu_name] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(num_e)])
-        out[down_name] = torch.stack([parts[(e, "down_proj")] for e in range(num_e)])
+        out[gu_name] = torch.stack([torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in mine])
+        out[down_name] = torch.stack([parts[(e, "down_proj")] for e in mine])
     for name, ref in expected.items():
         if name not in out:
             raise CheckpointError(f"missing tensor '{name}' (expected shape {_shape(ref)})")
@@ -115,22 +124,42 @@ def weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
 
 
-def read_tensors(folder: Path, device="cpu") -> dict[str, torch.Tensor]:
+def read_tensors(folder: Path, device="cpu", keep=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files, or those whose name ``keep(name)`` accepts (the
+    others are never read from disk)."""
     tensors = {}
     for f in weight_files(folder):
         with safe_open(str(f), framework="pt", device=str(device)) as h:
             for k in h.keys():
-                tensors[k] = h.get_tensor(k)
+                if keep is None or keep(k):
+                    tensors[k] = h.get_tensor(k)
     return tensors
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> CausalLM:
-    """Build the model a folder describes and load its weights (dtype: None keeps the file's)."""
+def own_tensor_filter(model: CausalLM):
+    """For an expert-parallel model: a ``keep`` that skips other ranks' per-expert tensors; else None."""
+    mine = {name: set(m.expert_ids) for name, m in model.named_modules() if hasattr(m, "expert_ids")}
+    if not mine:
+        return None
+
+    def keep(name: str) -> bool:
+        m = _PER_EXPERT.match(name)
+        return m is None or int(m.group(2)) in mine.get(m.group(1), ())
+    return keep
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", ctx=None) -> CausalLM:
+    """Build the model a folder describes and load its weights (dtype: None keeps the file's).
+    With a ``DistContext`` of ``ep_size`` > 1 the experts are sharded over its EP group and each rank
+    reads only its own experts' tensors."""
     folder = Path(path)
     cfg = ModelConfig.from_file(folder)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    state = from_hf_tensors(read_tensors(folder, device), model)
+    if ctx is not None and ctx.ep_size > 1:
+        from arbor.models.expert_parallel import shard_experts
+        shard_experts(model, ctx)
+    state = from_hf_tensors(read_tensors(folder, device, own_tensor_filter(model)), model)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -139,11 +168,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu")
     return model.eval()
 
 
-def save_model(model: CausalLM, path: str | Path, tokenizer=None, max_shard_bytes: int = 4 << 30) -> Path:
-    """Write an HF-layout folder; shards (with an index) when the weights exceed max_shard_bytes."""
+def save_model(model: CausalLM, path: str | Path, tokenizer=None, max_shard_bytes: int = 4 << 30,
+               tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write an HF-layout folder; shards (with an index) when the weights exceed max_shard_bytes.
+    ``tensors``: the HF-named tensors to write (default ``to_hf_tensors(model)``; an expert-parallel
+    model passes ``gather_hf_tensors``'s)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu() for k, v in to_hf_tensors(model).items()}
+    tensors = {k: v.detach().cpu() for k, v in (tensors if tensors is not None else to_hf_tensors(model)).items()}
     shards, size = [{}], 0
     for name in sorted(tensors):
         nbytes = tensors[name].numel() * tensors[name].element_size()
