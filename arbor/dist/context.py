@@ -69,17 +69,9 @@ class DistContext:
 
     # ---- failure handling -------------------------------------------------------------
     def gone_peers(self) -> list[int]:
-        """Ranks on this host whose process has exited."""
-        host, out = socket.gethostname(), []
-        for r, (h, pid) in enumerate(self.peers):
-            if r != self.rank and h == host:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    out.append(r)
-                except PermissionError:
-                    pass
-        return out
+        """Ranks on this host whose process has exited (a zombie not yet reaped counts as exited)."""
+        host = socket.gethostname()
+        return [r for r, (h, pid) in enumerate(self.peers) if r != self.rank and h == host and not _alive(pid)]
 
     @contextlib.contextmanager
     def guard(self, name: str):
@@ -89,10 +81,14 @@ class DistContext:
         except CollectiveError:
             raise
         except (RuntimeError, dist.DistError) as e:
-            gone = self.gone_peers()
-            who = (f"rank(s) {', '.join(map(str, gone))} exited" if gone else
-                   f"no peer answered within {self.timeout_s:g} s (a rank may be stuck, dead on another host, "
-                   "or issuing another collective)")
+            gone, text = self.gone_peers(), str(e)
+            if gone:
+                who = f"rank(s) {', '.join(map(str, gone))} exited"
+            elif "reset by peer" in text or "closed by peer" in text or "Connection closed" in text:
+                who = "a peer closed its connection (it exited or crashed on another host)"
+            else:
+                who = (f"no peer answered within {self.timeout_s:g} s (a rank may be stuck, dead on another "
+                       "host, or issuing another collective)")
             raise CollectiveError(f"rank {self.rank}/{self.world_size}: collective '{name}' failed: {who}. "
                                   f"Cause: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
@@ -134,6 +130,22 @@ class DistContext:
         if self.distributed:
             with self.guard(name):
                 dist.barrier(group=self.control)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:             # no /proc (macOS): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def env_world_size() -> int:

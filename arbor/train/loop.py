@@ -22,57 +22,84 @@ from pathlib import Path
 
 import torch
 
+from arbor.dist import DistContext
 from arbor.train.optim import make_optimizer, optimizer_step
 
-RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out")
+RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out",
+                     "timeout_s")
 
 
-def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None) -> None:
+def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=None) -> None:
     """Write model + ``trainer.pt`` (optimizer, torch's CPU and CUDA RNGs, ``state``) to ``folder``.
 
     Crash-safe: the new checkpoint is written whole to ``folder.tmp`` (``trainer.pt`` last, by a
     rename), then the old one is invalidated (its ``trainer.pt`` removed first), deleted, and the new
     one renamed into place; at any moment ``folder`` or ``folder.tmp`` holds a complete checkpoint,
-    which ``load_state`` finds."""
+    which ``load_state`` finds.
+
+    On several ranks (``ctx``; collective): the model is one ordinary HF folder (experts gathered),
+    each rank's optimizer state, RNGs and ``state`` go to ``rank{r}.pt``, and rank 0 writes
+    ``trainer.pt`` ({world_size, settings}) last and moves the folders."""
     from arbor.models import save_model
-    folder = Path(folder)
+    folder, ctx = Path(folder), ctx or DistContext.single()
     tmp = _tmp(folder)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_model(model, tmp / "model", tokenizer=tokenizer)
-    rng = {"torch_rng": torch.get_rng_state(),
-           "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    torch.save({"optimizer": optimizer.state_dict(), **rng, **state}, tmp / "trainer.part")
-    (tmp / "trainer.part").rename(tmp / "trainer.pt")
-    if folder.exists():
-        (folder / "trainer.pt").unlink(missing_ok=True)
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    tensors = None
+    if ctx.ep_size > 1:
+        from arbor.models.expert_parallel import gather_hf_tensors
+        tensors = gather_hf_tensors(model, ctx)
+    if ctx.is_main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_model(model, tmp / "model", tokenizer=tokenizer, tensors=tensors)
+    ctx.barrier("checkpoint: model written")
+    mine = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **state}
+    if ctx.distributed:
+        torch.save(mine, tmp / f"rank{ctx.rank}.pt")
+        ctx.barrier("checkpoint: rank states written")
+        mine = {"settings": state["settings"], "world_size": ctx.world_size}
+    if ctx.is_main:
+        torch.save(mine, tmp / "trainer.part")
+        (tmp / "trainer.part").rename(tmp / "trainer.pt")
+        if folder.exists():
+            (folder / "trainer.pt").unlink(missing_ok=True)
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    ctx.barrier("checkpoint: moved into place")
 
 
 def _tmp(folder: Path) -> Path:
     return folder.with_name(folder.name + ".tmp")
 
 
-def load_state(folder: Path, model, optimizer, settings: dict) -> dict | None:
+def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict | None:
     """Load ``save_state``'s model weights, optimizer state and torch RNGs; → the rest of the state, or
     None when ``folder`` holds no checkpoint. Raises, changing nothing, when the checkpoint's
-    ``settings`` differ from ``settings`` (see ``settings_of``) or it comes from an older layout."""
-    from arbor.models.checkpoint import from_hf_tensors, read_tensors
-    folder = Path(folder)
-    if not (folder / "trainer.pt").exists():
-        if not (_tmp(folder) / "trainer.pt").exists():
-            return None
+    ``settings`` differ from ``settings`` (see ``settings_of``), it was written by another number of
+    ranks, or it comes from an older layout. Collective on several ranks."""
+    from arbor.models.checkpoint import from_hf_tensors, own_tensor_filter, read_tensors
+    folder, ctx = Path(folder), ctx or DistContext.single()
+    if ctx.is_main and not (folder / "trainer.pt").exists() and (_tmp(folder) / "trainer.pt").exists():
         if folder.exists():                       # save_state stopped between its last two moves
             shutil.rmtree(folder)
         _tmp(folder).rename(folder)
+    ctx.barrier("checkpoint: find")
+    if not (folder / "trainer.pt").exists():
+        return None
     state = torch.load(folder / "trainer.pt", weights_only=False)
+    saved_world = state.get("world_size", 1)
+    if saved_world != ctx.world_size:
+        raise ValueError(f"{folder} holds a checkpoint written by {saved_world} rank(s) and this run has "
+                         f"{ctx.world_size}; resume it with the same number of ranks (`arbor launch -n {saved_world} "
+                         f"...`{' or without launch' if saved_world == 1 else ''}), or delete {folder} to start over")
+    if ctx.distributed:
+        state = {**torch.load(folder / f"rank{ctx.rank}.pt", weights_only=False), "settings": state["settings"]}
     missing = sorted({"optimizer", "torch_rng", "cuda_rng", "settings"} - state.keys())
     if missing:
         raise ValueError(f"{folder} holds a checkpoint that this version of Arbor cannot resume (it lacks "
                          f"{', '.join(missing)}); delete {folder} to start over")
     _check_same_settings(folder, state["settings"], settings)
-    model.load_state_dict(from_hf_tensors(read_tensors(folder / "model"), model))
+    model.load_state_dict(from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model))
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
     cuda_rng = state.pop("cuda_rng")
@@ -98,36 +125,40 @@ def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
                          f"run with the same settings to resume it, or delete {folder} to start over")
 
 
-def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None, settings=None) -> list[dict]:
+def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None, settings=None,
+               ctx=None) -> list[dict]:
     """Train ``model`` in place for ``cfg.steps`` steps (see module docstring); → the logged rows.
 
     ``cfg`` needs ``steps``, ``seed``, ``log_every``, ``checkpoint_every`` (0: never) and ``optim``.
     ``until(step)`` is asked after each step and ends training early when true. With
     ``checkpoint_dir`` None nothing is written. ``settings`` (default ``settings_of(cfg)``) is what a
-    checkpoint must match to be resumed: callers pass the whole run's (model, data, …)."""
+    checkpoint must match to be resumed: callers pass the whole run's (model, data, …). ``ctx``: the
+    rank context of a multi-rank run (gradients summed over ranks before each optimizer step)."""
     rng = random.Random(cfg.seed)
     opt = make_optimizer(model, cfg.optim)
     start, history = 0, []
     settings = settings_of(cfg) if settings is None else settings
     if checkpoint_dir is not None:
-        state = load_state(checkpoint_dir, model, opt, settings)
+        state = load_state(checkpoint_dir, model, opt, settings, ctx)
         if state is not None:
             start, history = state["step"], state["history"]
             rng.setstate(state["rng"])
     model.train()
     for step in range(start, cfg.steps):
         logged = step_fn(rng)
-        stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim)
+        stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim, ctx)
         stop = until is not None and until(step)
+        if ctx is not None and ctx.distributed:        # every rank stops at the same step
+            stop = bool(ctx.flags_max(float(stop), name="early stop")[0])
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
             row = {"step": step, **{k: float(v) for k, v in logged.items()}, **stats}
             history.append(row)
-            if on_log:
+            if on_log and (ctx is None or ctx.is_main):
                 on_log(row)
         done = step + 1
         if checkpoint_dir is not None and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             save_state(checkpoint_dir, model, opt, {"step": done, "history": history, "rng": rng.getstate(),
-                                                    "settings": settings})
+                                                    "settings": settings}, ctx=ctx)
         if stop:
             break
     model.eval()

@@ -32,9 +32,16 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
                              betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
-def optimizer_step(model, optimizer, step: int, total: int, cfg: OptimConfig) -> dict:
-    """Clip, set the scheduled lr, step, zero grads; → {"grad_norm", "lr"}."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+def optimizer_step(model, optimizer, step: int, total: int, cfg: OptimConfig, ctx=None) -> dict:
+    """Clip, set the scheduled lr, step, zero grads; → {"grad_norm", "lr"}. On several ranks
+    (``ctx``) gradients are first summed over ranks and clipped by their global norm
+    (``arbor.train.distributed``)."""
+    if ctx is not None and ctx.distributed:
+        from arbor.train.distributed import clip_global, reduce_gradients
+        reduce_gradients(model, ctx)
+        norm = clip_global(model, cfg.grad_clip, ctx)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     lr = lr_at(step, total, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr

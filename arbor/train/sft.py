@@ -6,6 +6,10 @@ at most ``micro_tokens`` tokens (gradient accumulation keeps the token mean exac
 add ``moe_aux_coef`` × the load-balancing loss of each micro-batch, weighted by its share of the
 batch's tokens. ``arbor sft`` checkpoints every ``checkpoint_every`` steps and resumes a stopped run
 (``arbor.train.loop``).
+
+On several ranks (``arbor launch -n N sft …``) every rank draws the same batch, runs its LPT share of
+the micro-batches (``arbor.train.distributed``) and the gradients are summed over ranks, so the
+weights equal one process's on the same batches (up to float summation order).
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.train.logprobs import packed_logprobs
+from arbor.dist import DistConfig, DistContext
+from arbor.train.distributed import run_idle_passes
 from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
 from arbor.train.tree_forward import tree_packed_logprobs
-from arbor.train.tree_plan import first_fit_decreasing
+from arbor.train.tree_plan import assign_lpt, first_fit_decreasing
 
 
 @dataclass
@@ -45,13 +51,14 @@ def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
 
 
 def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None, until=None,
-        checkpoint_dir=None, settings=None) -> list[dict]:
+        checkpoint_dir=None, settings=None, ctx: DistContext | None = None) -> list[dict]:
     """examples: (ids, loss_mask) pairs. Trains ``model`` in place for ``cfg.steps`` steps, or
     until ``until(step)`` (called after each optimizer step) says stop, resuming from
     ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``);
-    returns the logged metrics."""
+    returns the logged metrics. ``ctx``: the ranks to split each batch over (see module docstring)."""
     if not examples:
         raise ValueError("sft needs at least one demonstration")
+    ctx = ctx or DistContext.single()
     aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
 
     def step(rng) -> dict:
@@ -59,7 +66,11 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
         n_tokens = sum(sum(examples[i][1]) for i in batch)
         all_tokens = sum(len(examples[i][0]) for i in batch)
         loss_sum, aux_sum = 0.0, 0.0
-        for micro in first_fit_decreasing([len(examples[i][0]) for i in batch], cfg.micro_tokens):
+        lengths = [len(examples[i][0]) for i in batch]
+        micros = first_fit_decreasing(lengths, cfg.micro_tokens)
+        shares = assign_lpt([sum(lengths[j] for j in m) for m in micros], ctx.world_size)
+        mine = [micros[k] for k in sorted(shares[ctx.rank])]
+        for micro in mine:
             seqs = [examples[batch[j]][0] for j in micro]
             mask = torch.tensor([m for j in micro for m in examples[batch[j]][1]], dtype=torch.float32,
                                 device=model.device)
@@ -71,9 +82,11 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
                 aux_sum += float(aux[0].detach()) * share
             loss.backward()
             loss_sum += float(loss.detach())
+        run_idle_passes(model, max(map(len, shares)) - len(mine))
+        loss_sum, aux_sum = ctx.sum_floats([loss_sum, aux_sum]) if ctx.distributed else (loss_sum, aux_sum)
         return {"loss": loss_sum, **({"moe_aux": aux_sum} if aux_coef else {})}
 
-    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, settings)
+    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, settings, ctx)
 
 
 @dataclass
@@ -86,16 +99,21 @@ class SFTRunConfig:
     demo_options: dict = field(default_factory=dict)   # keyword options of the task's demonstration,
     device: str = "cpu"                                # e.g. {mental_rate = 0.6} for arithmetic
     train: SFTConfig = field(default_factory=SFTConfig)
+    dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
 
 
 def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json, and
     resumes from ``cfg.out/checkpoint`` when an earlier run left one there.
-    ``until(model, tokenizer, step) -> bool`` may end training early (see ``sft``)."""
+    ``until(model, tokenizer, step) -> bool`` may end training early (see ``sft``). Under ``arbor
+    launch`` / torchrun the ranks split each batch (experts over ``dist.ep_size`` ranks for an MoE
+    model) and rank 0 writes the one HF folder."""
     import json
     from pathlib import Path
 
-    from arbor.models import CausalLM, load_model, save_model
+    from arbor.dist import init_distributed
+    from arbor.models import CausalLM, ModelConfig, load_model, save_model
+    from arbor.models.expert_parallel import gather_hf_tensors, shard_experts
     from arbor.models.presets import PRESETS, preset_config
     from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
     from arbor.rollout.chat import transcript_ids
@@ -104,15 +122,22 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     torch.manual_seed(cfg.train.seed)
     if cfg.model in PRESETS:
         tok = builtin_tokenizer()
-        model = CausalLM(preset_config(cfg.model, tok))
+        mcfg = preset_config(cfg.model, tok)
+        ctx = init_distributed(cfg.dist, mcfg.num_experts, cfg.device)
+        model = CausalLM(mcfg)
+        shard_experts(model, ctx)
     else:
-        tok, model = Tokenizer.load(cfg.model), load_model(cfg.model, dtype=torch.float32)
+        ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
+        tok, model = Tokenizer.load(cfg.model), load_model(cfg.model, dtype=torch.float32, ctx=ctx)
     model.to(cfg.device)
     task = get_task(cfg.task)
     problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
     examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
     stop = None if until is None else (lambda step: until(model, tok, step))
-    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg))
-    save_model(model, cfg.out, tokenizer=tok)
-    (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
+    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg), ctx)
+    tensors = gather_hf_tensors(model, ctx) if ctx.ep_size > 1 else None
+    if ctx.is_main:
+        save_model(model, cfg.out, tokenizer=tok, tensors=tensors)
+        (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
+    ctx.barrier("sft: saved")
     return model, tok, history
