@@ -76,3 +76,90 @@ def test_three_sft_steps_on_two_ranks_equal_one_process(tmp_path, kind, one_thre
     assert worst <= 1e-5, worst
     assert [r["loss"] for r in got["history"]] == pytest.approx([r["loss"] for r in history], rel=1e-5)
     assert got["history"][-1]["grad_norm"] == pytest.approx(history[-1]["grad_norm"], rel=1e-5)
+
+
+def tiny_moe_folder(path):
+    from arbor.models import CausalLM, ModelConfig, save_model
+    from arbor.models.tokenizer import builtin_tokenizer
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, eos_token_id=tok.eos_token_id)
+    model = CausalLM(cfg)
+    save_model(model, path, tokenizer=tok)
+    return model
+
+
+def arbor_launch(*args, timeout=120):
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "arbor.cli", "launch", "-n", "2", "--threads", "1",
+                           "--timeout", str(timeout - 10), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_rank_rl_run_saves_one_hf_folder_and_resumes(tmp_path):
+    import json
+
+    import transformers
+    tiny_moe_folder(tmp_path / "model")
+    out = tmp_path / "out"
+    common = [f"model={tmp_path / 'model'}", f"out={out}", "task=longtail", "groups_per_step=2", "checkpoint_every=1",
+              "c3po.enabled=false", "rollout.max_turn_tokens=16", "rollout.max_context=120", "rollout.branch=[2]",
+              "dist.timeout_s=30"]
+    run = arbor_launch("train", "steps=2", *common)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["samples"] == 8 for r in rows)   # 2 ranks × 2 groups × 2
+    assert all(r["mismatch_abs"] < 1e-5 for r in rows)     # EP engine and EP trainer compute the same log-probs
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "final" / "model")
+    assert hf.config.num_experts == 4
+    run = arbor_launch("train", "steps=3", *common)        # resumes after step 2
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    from arbor import configs
+    from arbor.train.rl import RLConfig
+    from arbor.train.run import train
+    with pytest.raises(ValueError, match="written by 2 rank"):        # another world size is refused
+        train(configs.load(RLConfig, None, ["steps=4", *common]), progress=False)
+
+
+def test_ep_load_reads_only_the_ranks_experts_and_save_gathers(tmp_path):
+    from arbor.dist import DistContext
+    from arbor.models import load_model
+    full = tiny_moe_folder(tmp_path / "model")
+    ctx = DistContext(rank=1, world_size=2, ep_size=2)
+    from arbor.models import checkpoint
+    read = []
+    original = checkpoint.read_tensors
+
+    def spy(folder, device="cpu", keep=None):
+        tensors = original(folder, device, keep)
+        read.extend(tensors)
+        return tensors
+    checkpoint.read_tensors = spy
+    try:
+        part = load_model(tmp_path / "model", ctx=ctx)
+    finally:
+        checkpoint.read_tensors = original
+    experts = {int(n.split(".")[5]) for n in read if ".mlp.experts." in n}
+    assert experts == {2, 3}
+    for layer, ref in zip(part.model.layers, full.model.layers):
+        assert layer.mlp.experts.expert_ids == [2, 3]
+        assert torch.equal(layer.mlp.experts.gate_up_proj, ref.mlp.experts.gate_up_proj[2:])
+        assert torch.equal(layer.mlp.experts.down_proj, ref.mlp.experts.down_proj[2:])
+
+
+def test_bad_layouts_say_what_to_change():
+    from arbor.dist import DistConfig, resolve_ep_size
+    from arbor.models.expert_parallel import ExpertPlacement
+    with pytest.raises(ValueError, match="does not divide the 6 experts"):
+        resolve_ep_size(DistConfig(ep_size=4), 4, 6)
+    with pytest.raises(ValueError, match="does not divide the world size 2"):
+        resolve_ep_size(DistConfig(ep_size=4), 2, 8)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        resolve_ep_size(DistConfig(ep_size=2), 2, 0)
+    assert resolve_ep_size(DistConfig(), 2, 8) == 2 and resolve_ep_size(DistConfig(), 2, 0) == 1
+    with pytest.raises(ValueError, match="exactly 2 experts"):
+        ExpertPlacement([0, 0, 0, 1], [0, 1, 2, 0], 2)
+    assert ExpertPlacement([1, 0, 1, 0], [0, 0, 1, 1], 2).experts_of(0) == [1, 3]

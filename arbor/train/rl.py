@@ -11,6 +11,13 @@ over to the next iteration and continue under the new weights; groups older than
 iterations (σ) are dropped. A group is trained only once all its samples are done, so group
 advantages stay exact. With C3PO++ off, each iteration starts ``groups_per_step`` groups and
 waits for all of them (the synchronous baseline).
+
+On several ranks (``arbor launch -n N train …``): each rank runs its own engine (experts split
+over the EP group for an MoE model, the engine in lockstep) on its own groups — rank r takes
+problems r, r + N, … and the per-rank ``groups_per_step`` / ``token_budget`` — so advantages stay
+per group; the policy loss is averaged over the samples of all ranks and gradients are summed over
+ranks (``arbor.train.distributed``); metrics are reduced and rank 0 logs them; a checkpoint holds
+each rank's state and resumes only at the same world size.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from pathlib import Path
 
 import torch
 
+from arbor.dist import DistConfig, DistContext
 from arbor.rollout.collector import Collector, RolloutConfig
 from arbor.train.advantages import group_advantages
 from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.distributed import global_count, run_idle_passes
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.tree_batch import build_tree
@@ -67,6 +76,10 @@ class RLConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
     c3po: C3POConfig = field(default_factory=C3POConfig)
+    dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
+
+
+SUMMED_STATS = ("masked_frac", "mismatch_abs", "clip_frac", "moe_aux")   # token-weighted (moe_aux: sample share)
 
 
 def flat(trajs, key) -> list:
@@ -74,8 +87,9 @@ def flat(trajs, key) -> list:
 
 
 class RLTrainer:
-    def __init__(self, cfg: RLConfig, model, tokenizer, engine, sampling_factory, task):
+    def __init__(self, cfg: RLConfig, model, tokenizer, engine, sampling_factory, task, ctx=None):
         self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
+        self.ctx = ctx or DistContext.single()
         self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory)
         self.sampling_factory = sampling_factory
         self.optimizer = make_optimizer(model, cfg.optim)
@@ -86,12 +100,18 @@ class RLTrainer:
 
     # ---- collect ------------------------------------------------------------------------
     def new_group(self):
-        p = self.problems[self.next_problem % len(self.problems)]
+        """→ (env, problem, group id): this rank's next problem; group ids are unique over ranks."""
+        W, r = self.ctx.world_size, self.ctx.rank
+        p = self.problems[(self.next_problem * W + r) % len(self.problems)]
         self.next_problem += 1
         self.next_group += 1
-        return self.task.make_env(p), p, self.next_group - 1
+        return self.task.make_env(p), p, (self.next_group - 1) * W + r
 
     async def collect(self):
+        async with self.engine.session():        # collective on a lockstep (expert-parallel) engine
+            return await self._collect()
+
+    async def _collect(self):
         c = self.cfg.c3po
         if c.enabled:
             return await self.collector.run_iteration(self.pool, self.step, c.token_budget, self.new_group,
@@ -131,22 +151,30 @@ class RLTrainer:
     def recompute_old(self, trajs) -> list[torch.Tensor]:
         """logp_old: the trainer's log-probs at θ_old, per trajectory (no gradient)."""
         out = [None] * len(trajs)
+        micros = self.micro_batches(trajs)
         with torch.no_grad():
-            for micro in self.micro_batches(trajs):
+            for micro in micros:
                 logp, cu = self.logprobs([trajs[i] for i in micro])
                 for j, i in enumerate(micro):
                     out[i] = logp[cu[j]:cu[j + 1]]
+            self._idle_passes(len(micros))
         return out
+
+    def _idle_passes(self, mine: int) -> None:
+        """Under expert parallelism every rank runs as many forward(+backward) passes as the busiest."""
+        if getattr(self.model, "ep_state", None) is not None:
+            run_idle_passes(self.model, global_count(mine, self.ctx) - mine)
 
     def train_on(self, trajs, logp_old) -> dict:
         dev = self.model.device
-        rewards = torch.tensor([t.reward for t in trajs])
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         adv = group_advantages(rewards, torch.tensor([t.group for t in trajs]), self.cfg.advantage,
                                self.cfg.normalize_std)
-        stats, n = {}, len(trajs)
+        stats, n = {}, global_count(len(trajs), self.ctx, "sum", "samples")   # the loss: mean over all ranks' samples
         aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
         self.model.train()
-        for micro in self.micro_batches(trajs):
+        micros = self.micro_batches(trajs)
+        for micro in micros:
             sub = [trajs[i] for i in micro]
             logp, _, *aux = self.logprobs(sub, with_aux=aux_coef > 0)
             lengths = [len(t.tokens) for t in sub]
@@ -165,11 +193,23 @@ class RLTrainer:
             for k, v in st.items():
                 stats[k] = max(stats.get(k, 0.0), v) if k == "max_k" else stats.get(k, 0.0) + v * w
             stats["tokens"] = stats.get("tokens", 0.0) + w
-        for k in ("masked_frac", "mismatch_abs", "clip_frac"):
-            stats[k] = stats.get(k, 0.0) / max(1.0, stats.get("tokens", 1.0))
-        stats.update(optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim))
+        self._idle_passes(len(micros))
+        stats = self._reduce_stats(stats, aux_coef > 0)
+        stats.update(optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx))
         self.model.eval()
         return stats
+
+    def _reduce_stats(self, stats: dict, aux: bool) -> dict:
+        """Token-weighted sums (and max k) of this rank → the step's values over all ranks."""
+        keys = [k for k in SUMMED_STATS if k != "moe_aux" or aux]
+        sums = [stats.get(k, 0.0) for k in keys] + [stats.get("tokens", 0.0)]
+        max_k = stats.get("max_k", 0.0)
+        if self.ctx.distributed:
+            sums = self.ctx.sum_floats(sums, "loss stats")
+            max_k = self.ctx.flags_max(max_k, name="max k")[0]
+        tokens = sums[-1]
+        out = {k: v if k == "moe_aux" else v / max(1.0, tokens) for k, v in zip(keys, sums)}
+        return {**out, "max_k": max_k, "tokens": tokens}
 
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
@@ -183,17 +223,24 @@ class RLTrainer:
         t1 = time.perf_counter()
         trajs = [t for tree in trees for t in tree.trajectories()]
         row = {"step": self.step, **rstats}
-        if trajs:
+        total = global_count(len(trajs), self.ctx, "sum", "samples")
+        if self.ctx.distributed:
+            names = sorted(rstats)
+            row.update(zip(names, map(int, self.ctx.sum_floats([rstats[k] for k in names], "rollout stats"))))
+        if total:
             logp_old = self.recompute_old(trajs)
             t2 = time.perf_counter()
             row.update(self.train_on(trajs, logp_old))
             t3 = time.perf_counter()
             oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
-            row["staleness"] = self.collector.version - oldest   # policy versions behind the one trained
+            staleness = self.collector.version - oldest   # policy versions behind the one trained
             row["sync_s"] = self.sync_weights()
             row.update(recompute_s=t2 - t1, train_s=t3 - t2)
-            rewards = [t.reward for t in trajs]
-            row.update(reward=sum(rewards) / len(rewards), samples=len(trajs))
+            reward_sum = sum(t.reward for t in trajs)
+            if self.ctx.distributed:
+                staleness = self.ctx.flags_max(staleness, name="staleness")[0]
+                reward_sum = self.ctx.sum_floats([reward_sum], "rewards")[0]
+            row.update(staleness=int(staleness), reward=reward_sum / total, samples=total)
         row["rollout_s"] = t1 - t0
         self.step += 1
         return row
@@ -204,21 +251,26 @@ class RLTrainer:
         cfg = RolloutConfig(**{**self.cfg.rollout.__dict__, "temperature": 0.0, "branch": [1]})
         collector = Collector(self.engine, self.tok, cfg, self.sampling_factory)
         pool = []
-        for g, p in enumerate(probs):
-            pool += await collector.start(self.task.make_env(p), g, p, 0)
-        trees, _, _ = await collector.run_iteration(pool, 0)
-        return sum(tree.trajectories()[0].reward for tree in trees) / max(1, len(trees))
+        W, r = self.ctx.world_size, self.ctx.rank
+        async with self.engine.session():       # each rank its share of the problems
+            for g, p in enumerate(probs[r::W]):
+                pool += await collector.start(self.task.make_env(p), g, p, 0)
+            trees, _, _ = await collector.run_iteration(pool, 0)
+        correct = sum(tree.trajectories()[0].reward for tree in trees)
+        if self.ctx.distributed:
+            correct = self.ctx.sum_floats([correct], "eval")[0]
+        return correct / max(1, len(probs))
 
     # ---- checkpoints --------------------------------------------------------------------
     def save(self, folder: Path) -> None:
         save_state(folder, self.model, self.optimizer, tokenizer=self.tok, state={
             "step": self.step, "pool": self.pool, "next_problem": self.next_problem, "next_group": self.next_group,
             "version": self.collector.version, "history": self.history, "python_rng": random.getstate(),
-            "settings": settings_of(self.cfg)})
+            "settings": settings_of(self.cfg)}, ctx=self.ctx)
 
     def load(self, folder: Path) -> bool:
         """Resume from ``folder``'s checkpoint; False (nothing changed) when there is none."""
-        s = load_state(folder, self.model, self.optimizer, settings_of(self.cfg))
+        s = load_state(folder, self.model, self.optimizer, settings_of(self.cfg), self.ctx)
         if s is None:
             return False
         self.step, self.pool, self.history = s["step"], s["pool"], s["history"]
@@ -236,20 +288,22 @@ class RLTrainer:
         ckpt = out / "checkpoint"
         if self.cfg.resume:
             self.load(ckpt)
-        metrics = (out / "metrics.jsonl").open("a")
+        metrics = (out / "metrics.jsonl").open("a") if self.ctx.is_main else None
         done = 0
         while self.step < self.cfg.steps and (stop_after is None or done < stop_after):
             row = await self.train_step()
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                 row["test_accuracy"] = await self.evaluate()
             self.history.append(row)
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            if on_row:
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+            if on_row and self.ctx.is_main:
                 on_row(row)
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.save(ckpt)
             done += 1
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         return self.history
 

@@ -17,13 +17,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", logit_noise: float = 0.0,
-                max_model_len: int = 1024):
+                max_model_len: int = 1024, ctx=None):
     """→ (AsyncLLMEngine, sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos))."""
     from arbor.engine import AsyncLLMEngine, EngineConfig, SamplingParams
     if dtype not in DTYPES:
         raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got '{dtype}'")
     cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len)
-    engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer)
+    engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer, ctx=ctx)
     eos, moe = tokenizer.eos_token_id, bool(model.config.moe_layers)
 
     def sampling(max_tokens, temperature, top_p, seed, ignore_eos=False):
@@ -35,16 +35,20 @@ def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", l
 
 
 def build_trainer(cfg):
-    from arbor.models import load_model
+    """Model, engine and trainer of ``cfg``; under ``arbor launch`` / torchrun each rank builds its
+    own, with the experts of an MoE model split over ``dist.ep_size`` ranks."""
+    from arbor.dist import init_distributed
+    from arbor.models import ModelConfig, load_model
     from arbor.models.tokenizer import Tokenizer
     from arbor.tasks.registry import get_task
     from arbor.train.rl import RLTrainer
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg.model, dtype=torch.float32, device=cfg.device)
+    ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
+    model = load_model(cfg.model, dtype=torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
-                                   cfg.rollout.max_context + 64)
-    return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task))
+                                   cfg.rollout.max_context + 64, ctx)
+    return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task), ctx)
 
 
 def plot_history(history: list[dict], path: Path, title: str = "") -> None:
@@ -71,14 +75,16 @@ def train(cfg, progress: bool = True) -> list[dict]:
 
     from arbor import configs
     trainer = build_trainer(cfg)
+    main = trainer.ctx.is_main                   # rank 0 logs; every rank trains and checkpoints
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(configs.to_dict(cfg), indent=2))
-    bar = tqdm(total=cfg.steps, disable=not progress, desc="rl")
+    if main:
+        (out / "config.json").write_text(json.dumps(configs.to_dict(cfg), indent=2))
+    bar = tqdm(total=cfg.steps, disable=not (progress and main), desc="rl")
     writer = None
     try:
         from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(out / "tb"))
+        writer = SummaryWriter(str(out / "tb")) if main else None
     except ImportError:
         pass
 
@@ -93,7 +99,8 @@ def train(cfg, progress: bool = True) -> list[dict]:
 
     history = asyncio.run(trainer.run(on_row))
     bar.close()
-    plot_history(history, out / "reward.png", f"{cfg.task} RL")
+    if main:
+        plot_history(history, out / "reward.png", f"{cfg.task} RL")
     trainer.save(out / "final")
     return history
 
