@@ -12,11 +12,9 @@ from pathlib import Path
 
 import torch
 
-torch.set_num_threads(1)
-
-from arbor.dist import DistConfig, init_distributed  # noqa: E402
-from arbor.models import CausalLM, ModelConfig, VarlenAttention  # noqa: E402
-from arbor.models.expert_parallel import gather_hf_tensors, idle_forward, shard_experts  # noqa: E402
+from arbor.dist import DistConfig, init_distributed
+from arbor.models import CausalLM, ModelConfig, VarlenAttention
+from arbor.models.expert_parallel import gather_hf_tensors, idle_forward, shard_experts
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
@@ -148,7 +146,7 @@ def case_stuck(ctx, out: Path):
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     case, out, *args = sys.argv[1:]
-    moe = case != "sft"
     ctx = init_distributed(DistConfig(timeout_s=float(os.environ.get("CASE_TIMEOUT", "20"))), 4) if case != "sft" else None
     globals()[f"case_{case}"](ctx, Path(out), *args)

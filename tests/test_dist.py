@@ -56,7 +56,7 @@ def test_stuck_peer_times_out_within_the_configured_timeout(tmp_path):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_three_sft_steps_on_two_ranks_equal_one_process(tmp_path, kind, one_thread):
     """DP = 2 (dense) and EP = 2 (MoE): the global batch split over ranks gives one process's weights."""
-    import dist_cases as cases
+    from tests import dist_cases as cases
     from arbor.models import CausalLM
     from arbor.models.checkpoint import to_hf_tensors
     from arbor.train.optim import OptimConfig
@@ -76,6 +76,14 @@ def test_three_sft_steps_on_two_ranks_equal_one_process(tmp_path, kind, one_thre
     assert worst <= 1e-5, worst
     assert [r["loss"] for r in got["history"]] == pytest.approx([r["loss"] for r in history], rel=1e-5)
     assert got["history"][-1]["grad_norm"] == pytest.approx(history[-1]["grad_norm"], rel=1e-5)
+
+
+def test_launch_returns_the_failing_ranks_code_with_its_output(tmp_path):
+    run = arbor_launch("eval", str(tmp_path / "missing"), timeout=60)
+    assert run.returncode == 2
+    assert "[rank 0] arbor eval: error: no config.json" in run.stdout
+    assert "[rank 1] arbor eval: error: no config.json" in run.stdout
+    assert "exited with code 2; stopped the other ranks" in run.stderr
 
 
 def tiny_moe_folder(path):
