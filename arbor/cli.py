@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine", "ep"]
 
 
 def add_bench(sub) -> None:

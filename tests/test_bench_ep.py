@@ -1,0 +1,34 @@
+"""``arbor bench ep`` end to end on a tiny MoE: 2 EP ranks and the 1-rank baseline as child processes."""
+
+import json
+
+from arbor.cli import main
+
+
+def test_bench_ep_smoke(tmp_path, capsys):
+    assert main(["bench", "ep", "--out", str(tmp_path), "--hidden", "64", "--experts", "4", "--moe-intermediate", "64",
+                 "--layers", "1", "--vocab", "256", "--batch", "4", "--seq-len", "32", "--prompts", "4",
+                 "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1", "--timeout", "60"]) in (0, None)
+    r = json.loads((tmp_path / "ep.json").read_text())
+    assert (tmp_path / "ep.png").exists()
+    assert r["benchmark"] == "ep" and r["config"]["ranks"] == 2
+    for k in ("single", "ep"):
+        assert r["train"][k]["tokens_per_s"] > 0 and r["decode"][k]["decode_tokens_per_s"] > 0
+        assert r["train"][k]["tokens"] == 4 * 32 and r["decode"][k]["decode_tokens"] == 4 * 3
+        assert all(b > 0 for b in r["memory"][k]["train"]["maxrss_bytes"])
+    assert r["memory"]["single"]["train"]["threads"] == 2 and r["memory"]["ep"]["train"]["threads"] == 1
+    assert len(r["memory"]["ep"]["train"]["maxrss_bytes"]) == 2
+    assert r["train"]["single"]["all_to_all_share"] == [0.0]
+    assert all(0 < s < 1 for s in r["train"]["ep"]["all_to_all_share"])
+    assert r["train"]["ep"]["a2a_calls_per_step"] == 5        # forward: counts + rows out + rows back; backward: 2
+    # the same computation on both: experts split in halves, same first loss
+    assert r["expert_share_per_rank"] == [0.5, 0.5]
+    assert r["checks"]["first_step_loss_abs_diff"] < 1e-4
+    assert 0.0 <= r["checks"]["decode_same_tokens_fraction"] <= 1.0
+    names = [t["name"] for t in r["targets"]]
+    assert len(names) == 2 and names[0].startswith("train tokens/s")
+    for t in r["targets"]:
+        assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)
+    assert r["targets"][1]["met"] and r["targets"][1]["value"] == 0.5
+    assert r["targets"][0]["met"] == (r["ratios"]["train_tokens_per_s"] >= 0.8)
+    assert "targets" in capsys.readouterr().out
