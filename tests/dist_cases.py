@@ -120,9 +120,11 @@ def case_crossed(ctx, out: Path):
 
 
 def case_kill(ctx, out: Path):
-    """Rank 1 dies before its collective; rank 0 must fail fast, naming rank 1 and the collective."""
+    """Rank 1 dies while rank 0 waits inside a collective; rank 0 must fail fast, naming rank 1 and it."""
     from arbor.dist import CollectiveError
     if ctx.rank == 1:
+        import time
+        time.sleep(1.0)
         os._exit(9)
     try:
         ctx.all_reduce(torch.ones(4), name="test step all-reduce")
