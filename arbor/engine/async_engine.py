@@ -27,7 +27,12 @@ from arbor.engine.sequence import Completion
 
 class AsyncLLMEngine:
     def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None, ctx=None):
-        self.engine = LLMEngine(model_or_path, config, tokenizer, ctx)
+        """``model_or_path`` may also be a built engine (``LLMEngine``, or an object with its request and
+        step interface such as ``rank_front.RankFront``), which is then streamed from as is."""
+        if hasattr(model_or_path, "add_request") and hasattr(model_or_path, "step"):
+            self.engine = model_or_path
+        else:
+            self.engine = LLMEngine(model_or_path, config, tokenizer, ctx)
         self.queues: dict[str, asyncio.Queue] = {}
         self._loop = self._task = self._wake = None
         self._paused = False

@@ -91,9 +91,8 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a prompt (token ids or text); → request id. Raises ValueError on a bad request."""
-        params = params or SamplingParams()
+    def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError when this engine would refuse the request."""
         ids = self.encode(prompt)
         vocab = self.model.config.vocab_size
         if not ids:
@@ -104,6 +103,12 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt (token ids or text); → request id. Raises ValueError on a bad request."""
+        params = params or SamplingParams()
+        ids = self.check_request(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
