@@ -203,12 +203,29 @@ def add_serve(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--policy", default="mixed", choices=["mixed", "prefill-first"])
     p.add_argument("--served-model-name", help="default: the folder name")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="serve from N local ranks (data-parallel attention; experts split when MoE)")
 
     def run(a):
         from arbor.engine import EngineConfig
         from arbor.engine.server import serve
+        if a.ranks < 1:
+            raise ValueError(f"--ranks must be >= 1, got {a.ranks}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if a.ranks > 1 and "WORLD_SIZE" not in os.environ:       # start the ranks, each re-running this command
+            from arbor.engine.rank_front import launch_ranks
+            argv = ["serve", a.model]
+            for act in p._actions:
+                if act.option_strings and act.dest != "help" and getattr(a, act.dest) is not None:
+                    argv += [act.option_strings[-1], str(getattr(a, act.dest))]
+            return launch_ranks([sys.executable, "-m", "arbor.cli", *argv], a.ranks)
+        if a.ranks > 1 and world != a.ranks:
+            raise ValueError(f"--ranks {a.ranks} but this process is one of WORLD_SIZE={world} ranks")
         cfg = EngineConfig(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                            max_num_seqs=a.max_num_seqs, policy=a.policy)
+        if world > 1:                                              # a rank (arbor launch, torchrun, --ranks)
+            from arbor.engine.rank_front import serve_ranks
+            return serve_ranks(a.model, a.host, a.port, cfg, a.served_model_name)
         serve(a.model, a.host, a.port, cfg, a.served_model_name)
 
     p.set_defaults(func=run)
