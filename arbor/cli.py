@@ -213,12 +213,12 @@ def add_serve(sub) -> None:
             raise ValueError(f"--ranks must be >= 1, got {a.ranks}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if a.ranks > 1 and "WORLD_SIZE" not in os.environ:       # start the ranks, each re-running this command
-            from arbor.engine.rank_front import launch_ranks
+            from arbor.dist.launch import launch
             argv = ["serve", a.model]
             for act in p._actions:
                 if act.option_strings and act.dest != "help" and getattr(a, act.dest) is not None:
                     argv += [act.option_strings[-1], str(getattr(a, act.dest))]
-            return launch_ranks([sys.executable, "-m", "arbor.cli", *argv], a.ranks)
+            return launch([sys.executable, "-m", "arbor.cli", *argv], a.ranks).returncode
         if a.ranks > 1 and world != a.ranks:
             raise ValueError(f"--ranks {a.ranks} but this process is one of WORLD_SIZE={world} ranks")
         cfg = EngineConfig(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,

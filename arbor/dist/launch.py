@@ -7,6 +7,12 @@ prefix. When a rank exits non-zero the others get ``grace_s`` to exit by themsel
 collectives fail at once when a peer's sockets close) and are then terminated; the launch returns
 the first failing rank's exit code (128 + signal for a killed rank). ``timeout_s`` bounds the whole
 run: past it every rank is killed and the code is 124.
+
+Signals: the first SIGTERM or SIGINT (Ctrl-C) to the launcher is forwarded to every rank as SIGTERM
+and the ranks get ``grace_s`` to exit by themselves; a second one, or the end of the grace, kills
+them. The ranks run in their own sessions (a terminal's Ctrl-C reaches only the launcher) and find
+the launcher's pid in ``ARBOR_LAUNCHER_PID``, so a long-running rank can notice that it was
+orphaned.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def launch(argv: list[str], nprocs: int, threads: int | None = None, timeout_s: 
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     base = {**os.environ, **(env or {}), "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": str(threads),
-            "PYTHONUNBUFFERED": "1"}
+            "PYTHONUNBUFFERED": "1", "ARBOR_LAUNCHER_PID": str(os.getpid())}
     procs, outputs, pumps, lock = [], [], [], threading.Lock()
     for r in range(nprocs):
         p = subprocess.Popen(argv, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -71,7 +77,22 @@ def launch(argv: list[str], nprocs: int, threads: int | None = None, timeout_s: 
         t.start()
         pumps.append(t)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    failed, stop_at, returncode = None, None, 0
+    failed, stop_at, returncode, signalled = None, None, 0, []
+
+    def on_signal(signum, frame):
+        nonlocal stop_at
+        signalled.append(signum)
+        if len(signalled) > 1:
+            stop_at = 0.0
+            return
+        stop_at = time.monotonic() + grace_s
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+
+    handled = (signal.SIGTERM, signal.SIGINT)
+    old = ({s: signal.signal(s, on_signal) for s in handled}
+           if threading.current_thread() is threading.main_thread() else {})
     try:
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -85,6 +106,8 @@ def launch(argv: list[str], nprocs: int, threads: int | None = None, timeout_s: 
                 break
             time.sleep(0.02)
     finally:
+        for s, h in old.items():
+            signal.signal(s, h)
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -97,6 +120,8 @@ def launch(argv: list[str], nprocs: int, threads: int | None = None, timeout_s: 
         failed = next((r for r, c in enumerate(codes) if c != 0), None)
     if failed is not None:
         returncode = _code(codes[failed])
+    elif signalled and returncode == 0 and any(codes):
+        returncode = 128 + signalled[0]
     if echo is not None and returncode:
         why = "timed out" if returncode == 124 and failed is None else f"rank {failed} exited with code {returncode}"
         print(f"arbor launch: {why}; stopped the other ranks (exit codes {codes})", file=sys.stderr, flush=True)

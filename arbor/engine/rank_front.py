@@ -24,8 +24,9 @@ Protocol, on the control group; every rank issues the same collectives in the sa
   (``step`` false) whenever no round went out for ``HEARTBEAT_S`` seconds, so a waiting worker never
   reaches the collective timeout (60 s) however long the server idles, yet still notices within that
   timeout that rank 0 is gone.
-- shutdown: when the server stops (SIGTERM or SIGINT to rank 0; or, under ``launch_ranks``, a signal
-  to the launcher) rank 0 sends ``stop`` and every rank exits 0. A failed collective ends the rank
+- shutdown: when the server stops (SIGTERM or SIGINT to rank 0 — ``arbor launch`` forwards its first
+  signal to every rank as SIGTERM — or the launcher is gone) rank 0 sends ``stop`` and every rank
+  exits 0; workers ignore SIGTERM/SIGINT and leave on rank 0's ``stop``. A failed collective ends the rank
   at once (exit 3) and the launcher stops the others; nothing hangs.
 """
 
@@ -33,10 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from itertools import count
@@ -47,7 +46,6 @@ from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.sequence import Completion
 
 HEARTBEAT_S = 1.0
-STOP_ENV, LAUNCHER_ENV = "ARBOR_SERVE_STOP", "ARBOR_SERVE_LAUNCHER"
 
 
 @dataclass
@@ -89,7 +87,9 @@ def agree_context_length(engine, ctx) -> None:
 
 
 def worker_loop(engine, ctx) -> None:
-    """Rank ≥ 1: apply rank 0's rounds until it sends ``stop``."""
+    """Rank ≥ 1: apply rank 0's rounds until it sends ``stop`` (signals are left to rank 0)."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda signum, frame: None)
     while True:
         msg = ctx.broadcast_object(None, name="serve control")
         if msg.stop:
@@ -212,10 +212,10 @@ class RankFront:
         self._round(stop=True)
 
 
-def _stop_requested(launcher_pid: str | None) -> bool:
-    """The launcher asked for a shutdown (stop file), or died (this rank was re-parented)."""
-    stop = os.environ.get(STOP_ENV)
-    return bool(stop and os.path.exists(stop)) or bool(launcher_pid and os.getppid() != int(launcher_pid))
+def _orphaned() -> bool:
+    """The launcher that started this rank died (the rank was re-parented)."""
+    launcher = os.environ.get("ARBOR_LAUNCHER_PID")
+    return bool(launcher) and os.getppid() != int(launcher)
 
 
 def _serve_front(front: RankFront, host: str, port: int, model_name: str) -> None:
@@ -231,10 +231,9 @@ def _serve_front(front: RankFront, host: str, port: int, model_name: str) -> Non
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
     async def watch():
-        launcher = os.environ.get(LAUNCHER_ENV)
         while True:
             await asyncio.sleep(0.2)
-            if _stop_requested(launcher):
+            if _orphaned():
                 server.should_exit = True
             front.heartbeat()
 
@@ -270,30 +269,4 @@ def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | 
     shutdown(ctx)
 
 
-def launch_ranks(argv: list[str], nprocs: int) -> int:
-    """Run ``argv`` (an ``arbor serve`` command line) as ``nprocs`` local ranks; → the launch's exit code.
-    The first SIGTERM or SIGINT to this process shuts the server down gracefully (rank 0 sees the stop
-    file named in ``ARBOR_SERVE_STOP``; it also stops by itself if this process dies); a second one
-    kills every rank."""
-    from arbor.dist.launch import launch
-    folder = Path(tempfile.mkdtemp(prefix="arbor-serve-"))
-    stop = folder / "stop"
-
-    def on_signal(signum, frame):
-        if stop.exists():
-            raise KeyboardInterrupt
-        stop.touch()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    env = {STOP_ENV: str(stop), LAUNCHER_ENV: str(os.getpid())}
-    try:
-        return launch(argv, nprocs, threads=max(1, (os.cpu_count() or 1) // nprocs), env=env).returncode
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-__all__ = ["Control", "RankFront", "launch_ranks", "run_round", "serve_ranks", "worker_loop"]
+__all__ = ["Control", "RankFront", "run_round", "serve_ranks", "worker_loop"]
