@@ -104,9 +104,8 @@ class EPDispatch:
         # rows arrive grouped by (source rank, slot); regroup by slot for one matmul per expert
         slot = torch.arange(L).repeat(W).repeat_interleave(recv_counts.reshape(-1)).to(x.device)
         by_slot = slot.argsort(stable=True)
-        pieces = [experts.expert_forward(s, xs) for s, xs in enumerate(rows[by_slot].split(recv_counts.sum(0).tolist()))
-                  if xs.shape[0]]
-        y_rows = torch.cat(pieces)[by_slot.argsort()] if pieces else rows
+        out = experts.grouped(list(rows[by_slot].split(recv_counts.sum(0).tolist())))
+        y_rows = out[by_slot.argsort()] if out is not None else rows
         back = all_to_all(self.ctx, y_rows, send_splits, recv_splits)
         y = back * weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)

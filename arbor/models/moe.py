@@ -27,12 +27,26 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        nn.init.normal_(self.gate_up_proj, std=0.02)
-        nn.init.normal_(self.down_proj, std=0.02)
+        if self.gate_up_proj.device.type != "meta":     # (initialising meta tensors costs seconds)
+            nn.init.normal_(self.gate_up_proj, std=0.02)
+            nn.init.normal_(self.down_proj, std=0.02)
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        """Expert e alone on rows x (reference path; ``grouped`` serves the layers)."""
+        return self.grouped([x if i == e else x[:0] for i in range(self.num_experts)])
+
+    def grouped(self, xs: list[torch.Tensor]) -> torch.Tensor | None:
+        """xs[e]: the rows for local expert e (possibly none) → the outputs of every non-empty group,
+        concatenated in expert order; None when all are empty. The weights are split with one
+        ``unbind`` per call: indexing ``gate_up_proj[e]`` per expert would make backward build and add
+        a zero gradient of the whole [E, …] tensor for every expert."""
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        out = []
+        for e, x in enumerate(xs):
+            if x.shape[0]:
+                gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
+                out.append(F.linear(F.silu(gate) * up, down[e]))
+        return torch.cat(out) if out else None
 
 
 def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
@@ -45,11 +59,10 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     order = flat.argsort(stable=True)
     token = order // k
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    pieces = []
-    for e, xe in enumerate(x[token].split(counts)):
-        if xe.shape[0]:
-            pieces.append(experts.expert_forward(e, xe))
-    y = torch.cat(pieces) * weights.reshape(-1)[order, None].to(x.dtype)
+    rows = experts.grouped(list(x[token].split(counts)))
+    if rows is None:
+        return torch.zeros_like(x)
+    y = rows * weights.reshape(-1)[order, None].to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)
 
 
