@@ -119,13 +119,11 @@ def case_crossed(ctx, out: Path):
     sys.exit("no error for a crossed collective")
 
 
-def case_kill(ctx, out: Path):
-    """Rank 1 dies while rank 0 waits inside a collective; rank 0 must fail fast, naming rank 1 and it."""
+def _peer_fails(ctx, rank1_action) -> None:
+    """Rank 1 runs ``rank1_action`` instead of the collective; rank 0 must get a CollectiveError."""
     from arbor.dist import CollectiveError
     if ctx.rank == 1:
-        import time
-        time.sleep(1.0)
-        os._exit(9)
+        rank1_action()
     try:
         ctx.all_reduce(torch.ones(4), name="test step all-reduce")
     except CollectiveError as e:
@@ -134,17 +132,16 @@ def case_kill(ctx, out: Path):
     sys.exit("the collective succeeded without its peer")
 
 
+def case_kill(ctx, out: Path):
+    """Rank 1 dies while rank 0 waits inside a collective; rank 0 must fail fast, naming rank 1 and it."""
+    import time
+    _peer_fails(ctx, lambda: (time.sleep(1.0), os._exit(9)))
+
+
 def case_stuck(ctx, out: Path):
     """Rank 1 never joins; rank 0's collective must time out (CASE_TIMEOUT s) with an error."""
-    from arbor.dist import CollectiveError
-    if ctx.rank == 1:
-        import time
-        time.sleep(60)
-    try:
-        ctx.all_reduce(torch.ones(4), name="test step all-reduce")
-    except CollectiveError as e:
-        print(f"CollectiveError: {e}", flush=True)
-        os._exit(3)
+    import time
+    _peer_fails(ctx, lambda: time.sleep(60))
 
 
 if __name__ == "__main__":

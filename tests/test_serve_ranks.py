@@ -6,7 +6,6 @@ deadline; its greedy outputs must equal a single-process ``LLMEngine`` on the sa
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import httpx
 import pytest
 import torch
 
+from arbor.dist.context import process_alive
+from arbor.dist.launch import free_port
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
 from arbor.models.tokenizer import builtin_tokenizer
 from tests.conftest import MOE, TINY
@@ -53,20 +54,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(port: int, body: dict) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
 
@@ -81,7 +68,7 @@ def _streamed(resp: httpx.Response) -> tuple[list[int], str, str]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
 def test_serve_over_two_ranks_matches_one_engine_and_shuts_down(moe_folder, one_thread):
-    port = _free_port()
+    port = free_port()
     log = open(moe_folder.parent / "server.log", "w+")
     cmd = [sys.executable, "-m", "arbor.cli", "serve", str(moe_folder), "--ranks", "2", "--port", str(port), *LIMITS]
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -130,16 +117,16 @@ def test_serve_over_two_ranks_matches_one_engine_and_shuts_down(moe_folder, one_
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=15) == 0, _tail(log)
         deadline = time.monotonic() + 5
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        while any(process_alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(k) for k in kids)
+        assert not any(process_alive(k) for k in kids)
         assert "exit codes" not in _tail(log)               # the launcher reports no failing rank
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         for k in kids:
-            if _alive(k):
+            if process_alive(k):
                 os.kill(k, signal.SIGKILL)
         log.close()
 

@@ -71,7 +71,7 @@ class DistContext:
     def gone_peers(self) -> list[int]:
         """Ranks on this host whose process has exited (a zombie not yet reaped counts as exited)."""
         host = socket.gethostname()
-        return [r for r, (h, pid) in enumerate(self.peers) if r != self.rank and h == host and not _alive(pid)]
+        return [r for r, (h, pid) in enumerate(self.peers) if r != self.rank and h == host and not process_alive(pid)]
 
     @contextlib.contextmanager
     def guard(self, name: str):
@@ -132,7 +132,7 @@ class DistContext:
                 dist.barrier(group=self.control)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
