@@ -254,7 +254,7 @@ def _serve_front(front: RankFront, host: str, port: int, model_name: str) -> Non
 
 def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | None = None) -> None:
     """This process's part of a multi-rank server; the rank comes from torchrun's environment."""
-    from arbor.dist import DistConfig, init_distributed, shutdown
+    from arbor.dist import DistConfig, init_distributed
     from arbor.engine.llm_engine import LLMEngine
     from arbor.models import ModelConfig
     ctx = init_distributed(DistConfig(), num_experts=ModelConfig.from_file(model_dir).num_experts,
@@ -266,7 +266,13 @@ def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | 
         _serve_front(RankFront(engine, ctx), host, port, model_name or Path(model_dir).name)
     else:
         worker_loop(engine, ctx)
-    shutdown(ctx)
+    # Every rank knows of the stop. Tearing a gloo group down while its peer exits can abort the
+    # process in C++ ("terminate called without an active exception"), so a served rank leaves
+    # without destructors once its output is flushed.
+    ctx.barrier("serve: stopped")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 __all__ = ["Control", "RankFront", "run_round", "serve_ranks", "worker_loop"]
