@@ -6,6 +6,7 @@ import torch
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
+from arbor.models.sampling import SamplingSpec
 from arbor.models.tokenizer import builtin_tokenizer
 
 
@@ -28,24 +29,37 @@ def model():
     return tiny()
 
 
-def full_logprobs(model, ids):
+def full_logprobs(model, ids, spec=SamplingSpec()):
     with torch.no_grad():
         hidden = model(torch.tensor(ids), VarlenAttention.from_lengths([len(ids)])).hidden
-        return torch.log_softmax(model.logits(hidden).float(), -1)
+        return spec.logprobs(model.logits(hidden))
 
 
-def test_logprobs_are_log_softmax_of_the_model_logits(model):
+@pytest.mark.parametrize("knobs", [dict(temperature=0.8, top_k=20), dict(temperature=0.7, top_p=0.9),
+                                   dict(temperature=1.3, min_p=0.05), dict(temperature=1.0)])
+def test_logprobs_are_those_of_the_distribution_sampled_from(model, knobs):
+    """logits / T, truncated by top-k / top-p / min-p, renormalised: what the trainer recomputes."""
     engine = LLMEngine(model, EngineConfig(block_size=4))
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=20, seed=1, max_tokens=10,
-                                                   ignore_eos=True, logprobs=3))
+    outs = engine.generate(PROMPTS, SamplingParams(**knobs, seed=1, max_tokens=10, ignore_eos=True, logprobs=3))
+    spec = SamplingSpec(**knobs)
     for o in outs:
         ids = o.prompt_token_ids + o.token_ids
-        ref = full_logprobs(model, ids)[len(o.prompt_token_ids) - 1:-1]
+        ref = full_logprobs(model, ids, spec)[len(o.prompt_token_ids) - 1:-1]
+        assert torch.isfinite(torch.tensor(o.logprobs)).all()          # a sampled token is never a dropped one
         got = torch.tensor(o.logprobs)
         torch.testing.assert_close(got, ref.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0], atol=1e-4, rtol=0)
         vals, idx = ref[0].topk(3)
-        assert list(o.top_logprobs[0]) == idx.tolist()
-        torch.testing.assert_close(torch.tensor(list(o.top_logprobs[0].values())), vals, atol=1e-4, rtol=0)
+        keep = vals > float("-inf")
+        assert list(o.top_logprobs[0]) == idx[keep].tolist()
+        torch.testing.assert_close(torch.tensor(list(o.top_logprobs[0].values())), vals[keep], atol=1e-4, rtol=0)
+
+
+def test_greedy_logprobs_are_the_models_own_distribution(model):
+    out = LLMEngine(model, EngineConfig()).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5,
+                                                                                ignore_eos=True))[0]
+    ref = full_logprobs(model, out.prompt_token_ids + out.token_ids)[len(out.prompt_token_ids) - 1:-1]
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0],
+                               atol=1e-4, rtol=0)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(model):
