@@ -1,8 +1,12 @@
 """One config system: dataclasses, loaded from TOML, overridden by ``section.key=value`` words.
 
 ``load(cls, path, overrides)`` fills a (possibly nested) dataclass from a TOML file, then applies
-each override; values are parsed as TOML literals (``lr=1e-5``, ``tree=false``, ``name="x"``),
-falling back to the raw string. An unknown key is an error that lists the valid ones.
+each override; values are parsed as TOML literals (``lr=1e-5``, ``tree.enabled=false``,
+``name="x"``), falling back to the raw string. Every value is checked where it enters: an unknown
+key is an error that lists the valid ones, a value of the wrong type (``steps=2.5``, ``tree=false``
+for a section) names the key and the type it wants, and after loading every section's
+``validate()`` (ranges, allowed names; see ``check``) runs, its error prefixed with the section's
+dotted path. Nothing runs on a config that failed.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+import types
+import typing
 from typing import Any, get_type_hints
 
 if sys.version_info >= (3, 11):
@@ -35,13 +41,71 @@ def _set(obj, dotted: str, value: Any, origin: str) -> None:
     if last not in names:
         raise KeyError(f"{origin}: unknown key '{dotted}'; {type(obj).__name__} has {names}")
     hint = get_type_hints(type(obj)).get(last)
-    if dataclasses.is_dataclass(getattr(obj, last)) and isinstance(value, dict):
+    if dataclasses.is_dataclass(getattr(obj, last)):
+        if not isinstance(value, dict):
+            keys = [f.name for f in dataclasses.fields(getattr(obj, last))]
+            raise ValueError(f"{origin}: '{dotted}' is a config section, not a value; set its keys "
+                             f"({', '.join(f'{dotted}.{k}' for k in keys)})")
         for k, v in value.items():
             _set(getattr(obj, last), k, v, origin)
         return
-    if hint is float and isinstance(value, int):
-        value = float(value)
-    setattr(obj, last, value)
+    setattr(obj, last, _typed(value, hint, f"{origin}: '{dotted}'"))
+
+
+def _typed(value, hint, where: str):
+    """``value`` as ``hint`` wants it (an int is a float; a list is a tuple), or ValueError."""
+    if hint is None or hint is Any:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _typed(value, arg, where)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be {_name(hint)}, got {value!r}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, bool):
+        raise ValueError(f"{where} must be {_name(hint)}, got {value!r}")
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):
+        inner = args[0] if args and (origin is list or (len(args) == 2 and args[1] is Ellipsis)) else None
+        items = [_typed(v, inner if inner is not None else (args[i] if i < len(args) else None), where)
+                 for i, v in enumerate(value)]
+        if origin is tuple and args and args[-1] is not Ellipsis and len(items) != len(args):
+            raise ValueError(f"{where} must be {_name(hint)}, got {value!r}")
+        return items if origin is list else tuple(items)
+    check_type = origin or hint
+    if isinstance(check_type, type) and not isinstance(value, check_type):
+        raise ValueError(f"{where} must be {_name(hint)}, got {value!r}")
+    return value
+
+
+def _name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def check(cfg, *rules) -> None:
+    """For ``validate()`` methods: rules are (condition, field name, what it must be); the first
+    failing one raises ValueError('FIELD must …, got VALUE')."""
+    for ok, name, why in rules:
+        if not ok:
+            raise ValueError(f"{name} {why}, got {getattr(cfg, name)!r}")
+
+
+def validate(cfg, path: str = "") -> None:
+    """Run every (nested) section's ``validate()``; errors are prefixed with the section's path."""
+    for f in dataclasses.fields(cfg):
+        sub = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sub):
+            validate(sub, f"{path}{f.name}.")
+    if hasattr(cfg, "validate"):
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise ValueError(f"{path}{e}" if path else str(e)) from None
 
 
 def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
@@ -55,6 +119,7 @@ def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
             raise ValueError(f"override '{word}' must look like key=value (e.g. train.lr=1e-5)")
         key, text = word.split("=", 1)
         _set(cfg, key.strip(), parse_value(text.strip()), "command line")
+    validate(cfg)
     return cfg
 
 

@@ -14,10 +14,10 @@ from arbor.train.rl import RLConfig
 def test_toml_and_overrides(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('steps = 7\ntask = "arithmetic"\n[loss]\ncorrection = "tis"\n[rollout]\nbranch = [2, 2]\n')
-    cfg = configs.load(RLConfig, f, ["loss.icepop_beta=4", "tree=false", "optim.lr=1e-5"])
+    cfg = configs.load(RLConfig, f, ["loss.icepop_beta=4", "tree.enabled=false", "optim.lr=1e-5"])
     assert (cfg.steps, cfg.loss.correction, cfg.rollout.branch) == (7, "tis", [2, 2])
     assert cfg.loss.icepop_beta == 4.0 and isinstance(cfg.loss.icepop_beta, float)
-    assert cfg.tree is False and cfg.optim.lr == 1e-5
+    assert cfg.tree.enabled is False and cfg.optim.lr == 1e-5
     with pytest.raises(KeyError, match="unknown key 'loss.nope'"):
         configs.load(RLConfig, None, ["loss.nope=1"])
     with pytest.raises(ValueError, match="key=value"):

@@ -61,13 +61,14 @@ def test_three_sft_steps_on_two_ranks_equal_one_process(tmp_path, kind, one_thre
     from arbor.models.checkpoint import to_hf_tensors
     from arbor.train.optim import OptimConfig
     from arbor.train.sft import SFTConfig, sft
+    from arbor.train.tree_batch import TreeConfig
     result, text = run_case(tmp_path, "sft", kind)
     assert result.returncode == 0, text
     got = torch.load(tmp_path / "sft.pt")
     torch.manual_seed(0)
     model = CausalLM(cases.tiny_config(kind == "moe"))
     examples = [(s, [0] + [1] * (len(s) - 1)) for s in cases.sequences(5, 40)]
-    cfg = SFTConfig(steps=3, batch_tokens=200, micro_tokens=48, log_every=1, checkpoint_every=0, tree=False,
+    cfg = SFTConfig(steps=3, batch_tokens=200, log_every=1, checkpoint_every=0, tree=TreeConfig(enabled=False, token_cap=48),
                     moe_aux_coef=0.01 if kind == "moe" else 0.0, optim=OptimConfig(lr=1e-2, warmup_steps=0))
     history = sft(model, examples, cfg)
     want = to_hf_tensors(model)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from arbor.train.advantages import group_advantages
-from arbor.train.losses import LossConfig, mismatch_weights, policy_loss
+from arbor.train.losses import LossConfig, kl_penalty, mismatch_weights, policy_loss
 
 
 def batch(seed=0, n=40, seqs=5):
@@ -72,3 +72,43 @@ def test_advantages():
     assert rloo[0].item() == pytest.approx(1.0 - 1 / 3)
     with pytest.raises(ValueError, match="grpo or rloo"):
         group_advantages(r, g, method="ppo")
+
+
+def test_dual_clip_bounds_a_negative_advantage_loss_at_c_times_a():
+    """r = 5, A = −1: PPO-clip gives min(−5, −1.28) = −5; the dual clip (c = 3) lifts it to −3, no gradient."""
+    logp_old = torch.zeros(3)
+    logp = torch.log(torch.tensor([5.0, 2.0, 5.0])).requires_grad_()
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    loss, stats = policy_loss(logp, logp_old, logp_old, adv, torch.ones(3), torch.arange(3), 3,
+                              LossConfig(correction="none", dual_clip=3.0))
+    # token 0: max(−5, −3) = −3 (dual clip binds); token 1: min(−2, −1.28) = −2; token 2: min(5, 1.28) = 1.28
+    assert loss.item() == pytest.approx(-(-3.0 - 2.0 + 1.28) / 3)
+    assert stats["dual_clip_frac"] == pytest.approx(1 / 3) and stats["clip_high"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert logp.grad[0] == 0 and logp.grad[2] == 0 and logp.grad[1] != 0
+    off, _ = policy_loss(logp, logp_old, logp_old, adv, torch.ones(3), torch.arange(3), 3,
+                         LossConfig(correction="none", dual_clip=0))
+    assert off.item() == pytest.approx(-(-5.0 - 2.0 + 1.28) / 3)
+
+
+@pytest.mark.parametrize("estimator,by_hand", [
+    ("k1", lambda lp, ref: lp - ref),
+    ("k2", lambda lp, ref: 0.5 * (ref - lp) ** 2),
+    ("k3", lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1)])
+def test_kl_estimators_by_hand(estimator, by_hand):
+    lp, ref = [-0.5, -2.0, -1.0], [-1.0, -1.5, -1.0]
+    got = kl_penalty(torch.tensor(lp), torch.tensor(ref), estimator)
+    assert got.tolist() == pytest.approx([by_hand(a, b) for a, b in zip(lp, ref)])
+    logp = torch.tensor(lp, requires_grad=True)
+    cfg = LossConfig(correction="none", kl_coef=0.1, kl_estimator=estimator)
+    with_kl, stats = policy_loss(logp, logp.detach(), logp.detach(), torch.zeros(3), torch.ones(3),
+                                 torch.zeros(3, dtype=torch.long), 1, cfg, logp_ref=torch.tensor(ref))
+    assert with_kl.item() == pytest.approx(0.1 * sum(by_hand(a, b) for a, b in zip(lp, ref)) / 3)
+    assert stats["kl_ref"] == pytest.approx(sum(by_hand(a, b) for a, b in zip(lp, ref)) / 3)
+
+
+def test_loss_config_rejects_unknown_names_and_ranges():
+    for bad, match in [(dict(correction="icepp"), "correction must be"), (dict(kl_estimator="k4"), "kl_estimator"),
+                       (dict(dual_clip=0.5), "dual_clip"), (dict(kl_coef=-1.0), "kl_coef")]:
+        with pytest.raises(ValueError, match=match):
+            LossConfig(**bad)

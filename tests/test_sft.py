@@ -11,6 +11,7 @@ from arbor.rollout.chat import transcript_ids
 from arbor.tasks.registry import get_task
 from arbor.train.optim import OptimConfig
 from arbor.train.sft import SFTConfig, SFTRunConfig, run_sft, sft
+from arbor.train.tree_batch import TreeConfig
 
 SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -26,9 +27,9 @@ def test_tree_sft_equals_packed_sft():
     torch.manual_seed(0)
     a = CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id))
     b = copy.deepcopy(a)
-    cfg = dict(steps=3, batch_tokens=1500, micro_tokens=800, optim=OptimConfig(lr=1e-3, warmup_steps=0))
-    ha = sft(a, ex, SFTConfig(tree=True, **cfg))
-    hb = sft(b, ex, SFTConfig(tree=False, **cfg))
+    cfg = dict(steps=3, batch_tokens=1500, optim=OptimConfig(lr=1e-3, warmup_steps=0))
+    ha = sft(a, ex, SFTConfig(tree=TreeConfig(token_cap=800), **cfg))
+    hb = sft(b, ex, SFTConfig(tree=TreeConfig(enabled=False, token_cap=800), **cfg))
     assert abs(ha[-1]["loss"] - hb[-1]["loss"]) < 1e-5
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, atol=2e-5, rtol=0, msg=name)
@@ -40,10 +41,10 @@ def test_moe_sft_with_the_load_balancing_loss_trains_the_same_as_a_tree():
     a = CausalLM(ModelConfig(**SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                                             moe_intermediate_size=32), eos_token_id=tok.eos_token_id))
     b, c = copy.deepcopy(a), copy.deepcopy(a)
-    cfg = dict(steps=2, batch_tokens=1000, micro_tokens=600, log_every=1, optim=OptimConfig(lr=1e-3, warmup_steps=0))
-    ha = sft(a, ex, SFTConfig(tree=True, moe_aux_coef=0.5, **cfg))
-    hb = sft(b, ex, SFTConfig(tree=False, moe_aux_coef=0.5, **cfg))
-    hc = sft(c, ex, SFTConfig(tree=True, **cfg))
+    cfg = dict(steps=2, batch_tokens=1000, log_every=1, optim=OptimConfig(lr=1e-3, warmup_steps=0))
+    ha = sft(a, ex, SFTConfig(tree=TreeConfig(token_cap=600), moe_aux_coef=0.5, **cfg))
+    hb = sft(b, ex, SFTConfig(tree=TreeConfig(enabled=False, token_cap=600), moe_aux_coef=0.5, **cfg))
+    hc = sft(c, ex, SFTConfig(tree=TreeConfig(token_cap=600), **cfg))
     assert 0.9 < ha[0]["moe_aux"] < 2 and abs(ha[-1]["moe_aux"] - hb[-1]["moe_aux"]) < 1e-5 and "moe_aux" not in hc[0]
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, atol=2e-5, rtol=0, msg=name)

@@ -107,7 +107,7 @@ def test_first_fit_and_lpt():
 
 
 def test_config_validates():
-    assert TreeConfig().tree is True
+    assert TreeConfig().enabled is True
     with pytest.raises(ValueError, match="segments or dense"):
         TreeConfig(attention="flash")
 

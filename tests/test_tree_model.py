@@ -58,7 +58,7 @@ def test_tree_logprobs_equal_trajectory_wise(kind, attention):
     model, groups = model_of(CFGS[kind]).eval(), groups_of()
     with torch.no_grad():
         tree = batch_logprobs(model, groups, TreeConfig(token_cap=40, attention=attention))
-        ref = batch_logprobs(model, groups, TreeConfig(tree=False))
+        ref = batch_logprobs(model, groups, TreeConfig(enabled=False))
     assert [len(t) for t in tree] == [len(t) for t in flat(groups)]
     assert ref[0].abs().mean() > 1.0
     assert max_diff(tree, ref) <= 1e-5
@@ -88,7 +88,7 @@ def test_hybrid_without_replay_close(capsys):
     model, groups = model_of(HYBRID).eval(), groups_of()
     with torch.no_grad():
         tree = batch_logprobs(model, groups, TreeConfig(replay=False))
-        ref = batch_logprobs(model, groups, TreeConfig(tree=False))
+        ref = batch_logprobs(model, groups, TreeConfig(enabled=False))
     with capsys.disabled():
         print(f"\n  hybrid log-probs without replay: max diff {max_diff(tree, ref):.2e}")
     assert max_diff(tree, ref) <= 1e-4

@@ -32,6 +32,12 @@ class DistConfig:
     ep_size: int = 0           # ranks that split each MoE layer's experts (0: all ranks for an MoE model, else 1)
     timeout_s: float = 60.0    # a collective that waits longer fails on every surviving rank
 
+    def validate(self) -> None:
+        if self.ep_size < 0:
+            raise ValueError(f"ep_size must be ≥ 0 (0: all ranks), got {self.ep_size}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer died, timed out, or issued another collective. The message names

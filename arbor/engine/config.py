@@ -14,7 +14,9 @@ class EngineConfig:
     """KV pool size: ``num_blocks`` if given, else ``kv_memory_fraction`` of free GPU memory (CUDA)
     or ``kv_cache_bytes`` (CPU), capped at what ``max_num_seqs`` sequences of ``max_model_len``
     tokens need. ``max_model_len`` is clipped to the pool, so one sequence always fits.
-    ``logit_noise`` adds N(0, σ²) to the logits before sampling and log-probs (to simulate an
+    ``logit_noise`` adds noise of scale σ (``logit_noise_dist``: normal N(0, σ²), or heavy-tailed
+    cauchy) to the logits of a ``logit_noise_frac`` fraction of sampled positions, before sampling
+    and log-probs (to simulate an
     engine whose numerics differ from the trainer's). ``state_snapshots``: recurrent-state snapshots
     kept at block boundaries so that prefix caching also serves models with linear-attention layers
     (each holds every linear layer's state; 0 turns prefix caching off for such models)."""
@@ -32,6 +34,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     logit_noise: float = 0.0
+    logit_noise_dist: str = "normal"
+    logit_noise_frac: float = 1.0
     progress: bool = False
 
     @property

@@ -73,7 +73,7 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings, num_blocks * cfg.block_size)
         snapshots = cfg.state_snapshots if has_linear and cfg.enable_prefix_caching else 0
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed,
-                                  snapshots)
+                                  snapshots, cfg.logit_noise_dist, cfg.logit_noise_frac)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and (
             snapshots > 0 or not has_linear), states=self.runner.states if snapshots else None)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,

@@ -17,7 +17,7 @@ from arbor.engine.state_cache import StateCache
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_num_seqs: int, logit_noise: float = 0.0,
-                 seed: int = 0, num_state_snapshots: int = 0):
+                 seed: int = 0, num_state_snapshots: int = 0, noise_dist: str = "normal", noise_frac: float = 1.0):
         self.model, cfg = model, model.config
         self.block_size = block_size
         self.device = model.device
@@ -26,7 +26,11 @@ class ModelRunner:
         self.kv = KVCache(len(self.layer_map), num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                           model.dtype, self.device)
         self.states = StateCache(model, max_num_seqs, self.device, num_state_snapshots)
-        self.logit_noise = logit_noise
+        if noise_dist not in ("normal", "cauchy"):
+            raise ValueError(f"logit_noise_dist must be normal or cauchy, got '{noise_dist}'")
+        if not 0 <= noise_frac <= 1:
+            raise ValueError(f"logit_noise_frac must be in [0, 1], got {noise_frac}")
+        self.logit_noise, self.noise_dist, self.noise_frac = logit_noise, noise_dist, noise_frac
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
 
     @torch.inference_mode()
@@ -66,9 +70,20 @@ class ModelRunner:
         last = torch.tensor([ends[i] - 1 for i in sample], dtype=torch.long, device=dev)
         logits = self.model.logits(out.hidden[last]).float()
         if self.logit_noise:
-            logits = logits + self.logit_noise * torch.randn(logits.shape, generator=self.noise_generator, device=dev)
+            logits = logits + self._noise(logits.shape, dev)
         offsets = [e - n for e, n in zip(ends, lengths)]
         return batch, [seqs[i] for i in sample], logits, out.routed_experts, offsets
+
+    def _noise(self, shape, dev) -> torch.Tensor:
+        """σ · (N(0, 1) or standard Cauchy) per logit, on a ``noise_frac`` fraction of the rows."""
+        g = self.noise_generator
+        if self.noise_dist == "cauchy":
+            z = torch.empty(shape, device=dev).cauchy_(generator=g)
+        else:
+            z = torch.randn(shape, generator=g, device=dev)
+        if self.noise_frac < 1:
+            z = z * (torch.rand(shape[0], 1, generator=g, device=dev) < self.noise_frac)
+        return self.logit_noise * z
 
     def save_states(self, seqs: list[Sequence]) -> None:
         """Snapshot the states of sequences whose computed tokens end at a committed block boundary."""

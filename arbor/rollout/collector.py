@@ -47,6 +47,13 @@ class RolloutConfig:
     seed: int = 0
     end_on_truncation: bool = True   # a model turn cut at max_turn_tokens (no end-of-turn) ends the episode
 
+    def validate(self) -> None:
+        from arbor.configs import check
+        check(self, (self.max_turn_tokens >= 1, "max_turn_tokens", "must be ≥ 1"),
+              (self.max_context >= 2, "max_context", "must be ≥ 2"), (self.temperature >= 0, "temperature", "must be ≥ 0"),
+              (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+              (len(self.branch) >= 1 and all(b >= 1 for b in self.branch), "branch", "must be a non-empty list of counts ≥ 1"))
+
 
 @dataclass
 class Episode:
@@ -167,7 +174,7 @@ class Collector:
         left = []
         while tasks:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
+            for t in [t for t in tasks if t in done]:     # in launch order: a set's order is by address
                 ep = tasks.pop(t)
                 follow = t.result()
                 key = id(ep.tree)

@@ -29,6 +29,14 @@ from arbor.models.expert_parallel import idle_forward, is_expert_param
 from arbor.train.tree_plan import assign_lpt
 
 
+def set_recompute(model, on: bool) -> None:
+    """Activation recomputation (``train.recompute``); refused under expert parallelism, whose
+    recomputed forwards would issue exchanges inside backward that idle ranks do not."""
+    if on and getattr(model, "ep_state", None) is not None:
+        raise ValueError("recompute=true is not supported with expert parallelism (dist.ep_size > 1) yet")
+    model.gradient_checkpointing = on
+
+
 def my_share(work: list[int], ctx) -> list[int]:
     """Indices of the items (micro-batches) this rank runs: LPT over ranks by work; same on every rank."""
     if not ctx.distributed:

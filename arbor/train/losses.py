@@ -9,15 +9,20 @@ Per response token t of sample i (three log-probs of the sampled token):
     r = exp(logp − logp_old)                     policy ratio (trainer vs trainer)
     k = exp(logp_old − logp_infer)               engine mismatch, no gradient
     ppo = min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)  PPO-clip surrogate
+    dual clip (A < 0, c = dual_clip > 1): ppo = max(ppo, c·A)   (Ye et al. 2020; verl's clip_ratio_c)
     correction:
       "none"    w = 1
       "tis"     w = min(k, C)                    truncated importance sampling
       "icepop"  w = k if α ≤ k ≤ β else 0         IcePop (Ring-1T, α=0.5, β=5)
-    loss = −mean_i [ 1/|y_i| Σ_t w·ppo ] + γ·KL(π‖π_ref)
+    loss = −mean_i [ 1/|y_i| Σ_t (w·ppo − γ·kl_t) ]
 
 Masked tokens still count in |y_i| (IcePop does not renormalise). With k ≡ 1 (engine and
-trainer agree) IcePop and TIS both equal plain PPO-clip exactly. The KL term uses the
-"k3" estimator  exp(ref − logp) − (ref − logp) − 1  per token.
+trainer agree) IcePop and TIS both equal plain PPO-clip exactly. The KL penalty to a frozen
+reference, per token with d = logp_ref − logp (Schulman's "Approximating KL divergence"):
+  "k1"  −d            "k2"  d² / 2            "k3"  exp(d) − d − 1   (verl's low_var_kl)
+Reported per step: masked fraction, |logp_old − logp_infer|, max k, the fractions of tokens where
+the low / high clip and the dual clip bind, approx-KL(π_old ‖ π_θ) = mean (r − 1) − log r, and
+with a reference the mean penalty estimate.
 """
 
 from __future__ import annotations
@@ -26,22 +31,48 @@ from dataclasses import dataclass
 
 import torch
 
+from arbor.configs import check
 from arbor.models import expert_counts
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 @dataclass
 class LossConfig:
     correction: str = "icepop"   # none | tis | icepop
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = 0.2        # ε_low
+    clip_high: float = 0.28      # ε_high
+    dual_clip: float = 3.0       # c > 1 bounds the loss of a negative-advantage token at c·A (0: off)
     icepop_alpha: float = 0.5
     icepop_beta: float = 5.0
     tis_cap: float = 2.0
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0         # γ: > 0 keeps a frozen reference (the starting weights) and adds the penalty
+    kl_estimator: str = "k3"     # k1 | k2 | k3
 
     def __post_init__(self):
-        if self.correction not in ("none", "tis", "icepop"):
-            raise ValueError(f"loss.correction must be none, tis or icepop, got '{self.correction}'")
+        self.validate()
+
+    def validate(self) -> None:
+        check(self, (self.correction in ("none", "tis", "icepop"), "correction", "must be none, tis or icepop"),
+              (self.kl_estimator in KL_ESTIMATORS, "kl_estimator", "must be k1, k2 or k3"),
+              (0 <= self.clip_low < 1, "clip_low", "must be in [0, 1)"), (self.clip_high >= 0, "clip_high", "must be ≥ 0"),
+              (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1"),
+              (0 <= self.icepop_alpha <= 1, "icepop_alpha", "must be in [0, 1]"),
+              (self.icepop_beta >= 1, "icepop_beta", "must be ≥ 1"),
+              (self.tis_cap > 0, "tis_cap", "must be > 0"), (self.kl_coef >= 0, "kl_coef", "must be ≥ 0"))
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π (see module docstring)."""
+    d = logp_ref.detach() - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got '{estimator}'")
 
 
 def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, cfg: LossConfig):
@@ -68,24 +99,36 @@ def policy_loss(logp, logp_old, logp_infer, advantages, mask, seq_index, num_seq
     ratio = torch.exp(logp - logp_old.detach())
     surr = torch.minimum(ratio * advantages,
                          ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages)
+    dual = torch.zeros_like(surr, dtype=torch.bool)
+    if cfg.dual_clip:
+        dual = (advantages < 0) & (surr < cfg.dual_clip * advantages)
+        surr = torch.where(dual, cfg.dual_clip * advantages, surr)
     w, k = mismatch_weights(logp_old, logp_infer, cfg)
     per_token = w * surr
+    kl = None
     if cfg.kl_coef and logp_ref is not None:
-        d = logp_ref.detach() - logp
-        per_token = per_token - cfg.kl_coef * (torch.exp(d) - d - 1)
+        kl = kl_penalty(logp, logp_ref, cfg.kl_estimator)
+        per_token = per_token - cfg.kl_coef * kl
     lengths = torch.zeros(num_seqs, dtype=logp.dtype, device=logp.device).index_add_(0, seq_index, mask)
     per_seq = torch.zeros_like(lengths).index_add_(0, seq_index, per_token * mask)
     loss = -(per_seq / lengths.clamp(min=1)).sum() / num_seqs
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
+        mean = lambda x: float((x.to(mask.dtype) * mask).sum() / n)
         in_band = (k >= cfg.icepop_alpha) & (k <= cfg.icepop_beta)
+        r = ratio.detach()
         stats = {
-            "masked_frac": float(((~in_band).to(mask.dtype) * mask).sum() / n),
-            "mismatch_abs": float(((logp_old - logp_infer).abs() * mask).sum() / n),
+            "masked_frac": mean(~in_band),
+            "mismatch_abs": mean((logp_old - logp_infer).abs()),
             "max_k": float((k * mask).max()) if mask.any() else 1.0,
-            "clip_frac": float((((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)).to(mask.dtype) * mask).sum() / n),
+            "clip_low": mean((r < 1 - cfg.clip_low) & (advantages < 0)),      # where the clip binds
+            "clip_high": mean((r > 1 + cfg.clip_high) & (advantages > 0)),
+            "dual_clip_frac": mean(dual),
+            "approx_kl": mean(r - 1 - torch.log(r)),
             "tokens": float(mask.sum()),
         }
+        if kl is not None:
+            stats["kl_ref"] = mean(kl.detach())
     return loss, stats
 
 

@@ -17,6 +17,13 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
 
+    def validate(self) -> None:
+        from arbor.configs import check
+        check(self, (self.lr > 0, "lr", "must be > 0"), (self.weight_decay >= 0, "weight_decay", "must be ≥ 0"),
+              (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)"),
+              (self.warmup_steps >= 0, "warmup_steps", "must be ≥ 0"),
+              (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]"), (self.grad_clip > 0, "grad_clip", "must be > 0"))
+
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     """lr(s) = lr·s/warmup for s < warmup, then lr·(m + (1−m)·½(1+cos(π·p))), p = progress after warm-up."""

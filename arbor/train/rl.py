@@ -22,6 +22,7 @@ each rank's state and resumes only at the same world size.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -30,17 +31,22 @@ from pathlib import Path
 
 import torch
 
+from arbor.configs import check
 from arbor.dist import DistConfig, DistContext
+from arbor.models.sampling import SamplingSpec
 from arbor.rollout.collector import Collector, RolloutConfig
 from arbor.train.advantages import group_advantages
 from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
-from arbor.train.distributed import global_count, run_idle_passes
+from arbor.train.distributed import global_count, run_idle_passes, set_recompute
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
-from arbor.train.tree_batch import build_tree
+from arbor.train.tree_batch import TreeConfig, build_tree
 from arbor.train.tree_forward import tree_packed_logprobs
+
+
+NOISE_DISTS = ("normal", "cauchy")
 
 
 @dataclass
@@ -49,6 +55,10 @@ class C3POConfig:
     token_budget: int = 2000     # Φ: model tokens of finished groups per iteration
     capacity: int = 16           # Ω: groups in flight
     max_age: int = 2             # σ: iterations a group may live
+
+    def validate(self) -> None:
+        check(self, (self.token_budget >= 1, "token_budget", "must be ≥ 1"), (self.capacity >= 1, "capacity", "must be ≥ 1"),
+              (self.max_age >= 0, "max_age", "must be ≥ 0"))
 
 
 @dataclass
@@ -61,25 +71,41 @@ class RLConfig:
     groups_per_step: int = 8
     advantage: str = "grpo"
     normalize_std: bool = True
-    micro_tokens: int = 8192
+    ppo_epochs: int = 1          # passes over each step's samples
+    mini_batches: int = 1        # optimizer steps per pass (each on 1/mini_batches of the samples)
     engine_dtype: str = "float32"
-    engine_logit_noise: float = 0.0
+    engine_logit_noise: float = 0.0      # std (scale) of noise added to the engine's logits (mismatch studies)
+    engine_noise_dist: str = "normal"    # normal | cauchy (heavy-tailed)
+    engine_noise_frac: float = 1.0       # fraction of sampled positions that get the noise
     device: str = "cpu"
     eval_every: int = 0
     eval_problems: int = 64
     checkpoint_every: int = 5
     resume: bool = True
-    tree: bool = True            # train each group as one prefix tree (HARTS); false: trajectory-wise
     replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
     moe_aux_coef: float = 0.0    # MoE: weight of the load-balancing loss (tree tokens count multiplicity times)
+    recompute: bool = False      # activation recomputation (gradient checkpointing per layer)
+    tree: TreeConfig = field(default_factory=TreeConfig)   # each group as one prefix tree (HARTS); token_cap per micro-batch
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
     c3po: C3POConfig = field(default_factory=C3POConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
 
+    def validate(self) -> None:
+        check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.groups_per_step >= 1, "groups_per_step", "must be ≥ 1"),
+              (self.advantage in ("grpo", "rloo"), "advantage", "must be grpo or rloo"),
+              (self.ppo_epochs >= 1, "ppo_epochs", "must be ≥ 1"), (self.mini_batches >= 1, "mini_batches", "must be ≥ 1"),
+              (self.engine_dtype in ("float32", "bfloat16", "float16"), "engine_dtype", "must be float32, bfloat16 or float16"),
+              (self.engine_logit_noise >= 0, "engine_logit_noise", "must be ≥ 0"),
+              (self.engine_noise_dist in NOISE_DISTS, "engine_noise_dist", f"must be one of {NOISE_DISTS}"),
+              (0 <= self.engine_noise_frac <= 1, "engine_noise_frac", "must be in [0, 1]"),
+              (self.eval_every >= 0, "eval_every", "must be ≥ 0"), (self.eval_problems >= 1, "eval_problems", "must be ≥ 1"),
+              (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"), (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"))
 
-SUMMED_STATS = ("masked_frac", "mismatch_abs", "clip_frac", "moe_aux")   # token-weighted (moe_aux: sample share)
+
+# token-weighted means over a step's optimizer steps (moe_aux: sample share; entropy: of π_old, recompute pass)
+SUMMED_STATS = ("masked_frac", "mismatch_abs", "clip_low", "clip_high", "dual_clip_frac", "approx_kl", "kl_ref", "moe_aux")
 
 
 def flat(trajs, key) -> list:
@@ -92,7 +118,14 @@ class RLTrainer:
         self.ctx = ctx or DistContext.single()
         self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory)
         self.sampling_factory = sampling_factory
+        set_recompute(model, cfg.recompute)
         self.optimizer = make_optimizer(model, cfg.optim)
+        r = cfg.rollout     # the trainer's log-probs are those of the distribution the engine sampled from
+        self.spec = SamplingSpec(temperature=r.temperature if r.temperature > 0 else 1.0, top_p=r.top_p)
+        self.reference = None
+        if cfg.loss.kl_coef > 0:     # frozen copy of the starting weights (shares the EP groups under EP)
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            self.reference.gradient_checkpointing = False
         self.problems = task.generate(max(4096, cfg.steps * cfg.c3po.capacity * 2), seed=cfg.seed, split="train")
         self.step, self.next_problem, self.next_group = 0, 0, 0
         self.pool: list = []
@@ -124,68 +157,113 @@ class RLTrainer:
 
     # ---- train --------------------------------------------------------------------------
     def micro_batches(self, trajs) -> list[list[int]]:
-        """Trajectory indices per micro-batch, ≤ micro_tokens tokens each. Tree mode keeps a
+        """Trajectory indices per micro-batch, ≤ tree.token_cap tokens each. Tree mode keeps a
         group together and counts its compact tokens (each shared prefix once)."""
-        if not self.cfg.tree:
-            return first_fit_decreasing([len(t.tokens) for t in trajs], self.cfg.micro_tokens)
+        cap = self.cfg.tree.token_cap
+        if not self.cfg.tree.enabled:
+            return first_fit_decreasing([len(t.tokens) for t in trajs], cap)
         groups: dict[int, list[int]] = {}
         for i, t in enumerate(trajs):
             groups.setdefault(t.group, []).append(i)
         units = list(groups.values())
         sizes = [build_tree([trajs[i].tokens for i in u]).num_tokens for u in units]
-        return [[i for b in bin_ for i in units[b]] for bin_ in first_fit_decreasing(sizes, self.cfg.micro_tokens)]
+        return [[i for b in bin_ for i in units[b]] for bin_ in first_fit_decreasing(sizes, cap)]
 
-    def logprobs(self, trajs, with_aux: bool = False):
-        """Per-token log-probs, flat in trajectory order (tree forward or packed trajectories).
-        With ``replay_routing`` each MoE layer sends a model token to the experts the engine chose
-        for it, so a near-tie in top-k cannot route trainer and engine differently; tokens the
-        engine did not route (id −1: prompt, environment, a turn's last token) route themselves."""
+    def logprobs(self, trajs, with_aux: bool = False, model=None, entropy: list | None = None):
+        """Per-token log-probs of the sampling distribution (``self.spec``), flat in trajectory order
+        (tree forward or packed trajectories). With ``replay_routing`` each MoE layer sends a model
+        token to the experts the engine chose for it, so a near-tie in top-k cannot route trainer and
+        engine differently; tokens the engine did not route (id −1: prompt, environment, a turn's last
+        token) route themselves."""
+        model = model or self.model
         seqs = [t.tokens for t in trajs]
         routed = None
         if self.cfg.replay_routing and trajs and all(t.routed_experts is not None for t in trajs):
-            routed = torch.cat([t.routed_experts for t in trajs], 1).to(self.model.device)
-        if self.cfg.tree:
-            return tree_packed_logprobs(self.model, seqs, routed_experts=routed, with_aux=with_aux)
-        return packed_logprobs(self.model, seqs, routed_experts=routed, with_aux=with_aux)
+            routed = torch.cat([t.routed_experts for t in trajs], 1).to(model.device)
+        kw = dict(routed_experts=routed, with_aux=with_aux, spec=self.spec, entropy=entropy)
+        if self.cfg.tree.enabled:
+            return tree_packed_logprobs(model, seqs, cfg=self.cfg.tree, **kw)
+        return packed_logprobs(model, seqs, **kw)
 
-    def recompute_old(self, trajs) -> list[torch.Tensor]:
-        """logp_old: the trainer's log-probs at θ_old, per trajectory (no gradient)."""
-        out = [None] * len(trajs)
+    def recompute_old(self, trajs):
+        """→ (logp_old per trajectory: the trainer's log-probs at θ_old, logp_ref per trajectory or
+        None, {entropy sum, tokens} of π_old over the loss tokens); no gradient."""
+        old, ref = [None] * len(trajs), [None] * len(trajs) if self.reference is not None else None
+        ent = [0.0, 0.0]
         micros = self.micro_batches(trajs)
         with torch.no_grad():
             for micro in micros:
-                logp, cu = self.logprobs([trajs[i] for i in micro])
+                sub, entropy = [trajs[i] for i in micro], []
+                logp, cu = self.logprobs(sub, entropy=entropy)
+                mask = torch.tensor(flat(sub, "loss_mask"), dtype=torch.float32, device=logp.device)
+                ent[0] += float((entropy[0] * mask).sum())
+                ent[1] += float(mask.sum())
+                refp = self.logprobs(sub, model=self.reference)[0] if ref is not None else None
                 for j, i in enumerate(micro):
-                    out[i] = logp[cu[j]:cu[j + 1]]
-            self._idle_passes(len(micros))
-        return out
+                    old[i] = logp[cu[j]:cu[j + 1]]
+                    if ref is not None:
+                        ref[i] = refp[cu[j]:cu[j + 1]]
+            self._idle_passes(len(micros) * (2 if ref is not None else 1))
+        return old, ref, ent
 
     def _idle_passes(self, mine: int) -> None:
         """Under expert parallelism every rank runs as many forward(+backward) passes as the busiest."""
         if getattr(self.model, "ep_state", None) is not None:
             run_idle_passes(self.model, global_count(mine, self.ctx) - mine)
 
-    def train_on(self, trajs, logp_old) -> dict:
-        dev = self.model.device
+    def mini_batches(self, trajs) -> list[list[int]]:
+        """``mini_batches`` parts of the step's samples, whole groups each (round-robin over groups
+        in order), so every optimizer step sees complete groups."""
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(trajs):
+            groups.setdefault(t.group, []).append(i)
+        parts: list[list[int]] = [[] for _ in range(self.cfg.mini_batches)]
+        for g, members in enumerate(groups.values()):
+            parts[g % len(parts)].extend(members)
+        return parts
+
+    def train_on(self, trajs, logp_old, logp_ref=None) -> dict:
+        """``ppo_epochs`` passes over the samples, each ``mini_batches`` optimizer steps; advantages
+        once per step. The first optimizer step has r ≡ 1; later ones see how far θ moved from θ_old,
+        so the clip and the dual clip act. → step metrics (token-weighted over all optimizer steps)."""
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        adv = group_advantages(rewards, torch.tensor([t.group for t in trajs]), self.cfg.advantage,
-                               self.cfg.normalize_std)
-        stats, n = {}, global_count(len(trajs), self.ctx, "sum", "samples")   # the loss: mean over all ranks' samples
-        aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
+        adv = group_advantages(rewards, torch.tensor([t.group for t in trajs], dtype=torch.long),
+                               self.cfg.advantage, self.cfg.normalize_std)
+        stats, norms = {}, []
+        aux = self.model.config.moe_layers and self.cfg.moe_aux_coef > 0
         self.model.train()
-        micros = self.micro_batches(trajs)
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in self.mini_batches(trajs):
+                self._train_mini(trajs, mini, adv, logp_old, logp_ref, stats)
+                opt = optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx)
+                norms.append(opt["grad_norm"])
+        self.model.eval()
+        out = self._reduce_stats(stats, aux)
+        out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms), lr=opt["lr"],
+                   optimizer_steps=len(norms))
+        return out
+
+    def _train_mini(self, trajs, mini: list[int], adv, logp_old, logp_ref, stats: dict) -> None:
+        """Forward + backward of one mini-batch (its micro-batches); the loss is the mean over the
+        mini-batch's samples of all ranks. Accumulates token-weighted loss statistics in ``stats``."""
+        dev = self.model.device
+        n = global_count(len(mini), self.ctx, "sum", "samples")
+        aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
+        micros = [[mini[i] for i in m] for m in self.micro_batches([trajs[i] for i in mini])]
+        pos = {t: p for p, t in enumerate(mini)}          # sample index inside the mini-batch
         for micro in micros:
             sub = [trajs[i] for i in micro]
             logp, _, *aux = self.logprobs(sub, with_aux=aux_coef > 0)
-            lengths = [len(t.tokens) for t in sub]
+            lengths = torch.tensor([len(t.tokens) for t in sub], device=dev)
             loss, st = policy_loss(
                 logp, torch.cat([logp_old[i] for i in micro]).to(dev),
                 torch.tensor(flat(sub, "logp_infer"), device=dev),
-                torch.repeat_interleave(adv[micro].to(dev), torch.tensor(lengths, device=dev)),
+                torch.repeat_interleave(adv[micro].to(dev), lengths),
                 torch.tensor(flat(sub, "loss_mask"), device=dev),
-                torch.repeat_interleave(torch.tensor(micro, device=dev), torch.tensor(lengths, device=dev)),
-                n, self.cfg.loss)
-            if aux:   # this micro-batch's share of the step's sample mean
+                torch.repeat_interleave(torch.tensor([pos[i] for i in micro], device=dev), lengths),
+                max(n, 1), self.cfg.loss,
+                logp_ref=torch.cat([logp_ref[i] for i in micro]).to(dev) if logp_ref is not None else None)
+            if aux:   # this micro-batch's share of the mini-batch's sample mean
                 loss = loss + aux_coef * aux[0] * len(micro) / n
                 stats["moe_aux"] = stats.get("moe_aux", 0.0) + float(aux[0].detach()) * len(micro) / n
             loss.backward()
@@ -194,22 +272,19 @@ class RLTrainer:
                 stats[k] = max(stats.get(k, 0.0), v) if k == "max_k" else stats.get(k, 0.0) + v * w
             stats["tokens"] = stats.get("tokens", 0.0) + w
         self._idle_passes(len(micros))
-        stats = self._reduce_stats(stats, aux_coef > 0)
-        stats.update(optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx))
-        self.model.eval()
-        return stats
 
     def _reduce_stats(self, stats: dict, aux: bool) -> dict:
         """Token-weighted sums (and max k) of this rank → the step's values over all ranks."""
-        keys = [k for k in SUMMED_STATS if k != "moe_aux" or aux]
+        keys = [k for k in SUMMED_STATS if (k != "moe_aux" or aux) and (k != "kl_ref" or self.reference is not None)]
         sums = [stats.get(k, 0.0) for k in keys] + [stats.get("tokens", 0.0)]
         max_k = stats.get("max_k", 0.0)
         if self.ctx.distributed:
             sums = self.ctx.sum_floats(sums, "loss stats")
             max_k = self.ctx.flags_max(max_k, name="max k")[0]
         tokens = sums[-1]
-        out = {k: v if k == "moe_aux" else v / max(1.0, tokens) for k, v in zip(keys, sums)}
-        return {**out, "max_k": max_k, "tokens": tokens}
+        steps = self.cfg.ppo_epochs * self.cfg.mini_batches
+        out = {k: v / steps if k == "moe_aux" else v / max(1.0, tokens) for k, v in zip(keys, sums)}
+        return {**out, "max_k": max_k, "tokens": tokens / self.cfg.ppo_epochs}
 
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
@@ -228,9 +303,12 @@ class RLTrainer:
             names = sorted(rstats)
             row.update(zip(names, map(int, self.ctx.sum_floats([rstats[k] for k in names], "rollout stats"))))
         if total:
-            logp_old = self.recompute_old(trajs)
+            logp_old, logp_ref, ent = self.recompute_old(trajs)
+            if self.ctx.distributed:
+                ent = self.ctx.sum_floats(ent, "entropy")
             t2 = time.perf_counter()
-            row.update(self.train_on(trajs, logp_old))
+            row.update(self.train_on(trajs, logp_old, logp_ref))
+            row["entropy"] = ent[0] / max(1.0, ent[1])
             t3 = time.perf_counter()
             oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
             staleness = self.collector.version - oldest   # policy versions behind the one trained
@@ -286,9 +364,13 @@ class RLTrainer:
         out = Path(self.cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         ckpt = out / "checkpoint"
-        if self.cfg.resume:
-            self.load(ckpt)
-        metrics = (out / "metrics.jsonl").open("a") if self.ctx.is_main else None
+        resumed = self.cfg.resume and self.load(ckpt)
+        path = out / "metrics.jsonl"
+        if self.ctx.is_main and path.exists():     # rows of steps to be redone (after the checkpoint) go
+            keep = [line for line in path.read_text().splitlines()
+                    if resumed and json.loads(line)["step"] < self.step]
+            path.write_text("".join(line + "\n" for line in keep))
+        metrics = path.open("a") if self.ctx.is_main else None
         done = 0
         while self.step < self.cfg.steps and (stop_after is None or done < stop_after):
             row = await self.train_step()

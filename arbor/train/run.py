@@ -17,12 +17,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", logit_noise: float = 0.0,
-                max_model_len: int = 1024, ctx=None):
+                max_model_len: int = 1024, ctx=None, noise_dist: str = "normal", noise_frac: float = 1.0):
     """→ (AsyncLLMEngine, sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos))."""
     from arbor.engine import AsyncLLMEngine, EngineConfig, SamplingParams
     if dtype not in DTYPES:
         raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got '{dtype}'")
-    cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len)
+    cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len,
+                       logit_noise_dist=noise_dist, logit_noise_frac=noise_frac)
     engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer, ctx=ctx)
     eos, moe = tokenizer.eos_token_id, bool(model.config.moe_layers)
 
@@ -47,7 +48,7 @@ def build_trainer(cfg):
     model = load_model(cfg.model, dtype=torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
-                                   cfg.rollout.max_context + 64, ctx)
+                                   cfg.rollout.max_context + 64, ctx, cfg.engine_noise_dist, cfg.engine_noise_frac)
     return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task), ctx)
 
 

@@ -2,7 +2,7 @@
 
 loss = − Σ_t m_t · log π(x_t | x_<t) / Σ_t m_t over each step's batch (token mean), with
 batches drawn by a seeded sampler until ``batch_tokens`` tokens, packed into micro-batches of
-at most ``micro_tokens`` tokens (gradient accumulation keeps the token mean exact). MoE models
+at most ``tree.token_cap`` tokens (gradient accumulation keeps the token mean exact). MoE models
 add ``moe_aux_coef`` × the load-balancing loss of each micro-batch, weighted by its share of the
 batch's tokens. ``arbor sft`` checkpoints every ``checkpoint_every`` steps and resumes a stopped run
 (``arbor.train.loop``).
@@ -21,9 +21,10 @@ import torch
 
 from arbor.train.logprobs import packed_logprobs
 from arbor.dist import DistConfig, DistContext
-from arbor.train.distributed import run_idle_passes
+from arbor.train.distributed import run_idle_passes, set_recompute
 from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
+from arbor.train.tree_batch import TreeConfig
 from arbor.train.tree_forward import tree_packed_logprobs
 from arbor.train.tree_plan import assign_lpt, first_fit_decreasing
 
@@ -32,13 +33,19 @@ from arbor.train.tree_plan import assign_lpt, first_fit_decreasing
 class SFTConfig:
     steps: int = 200
     batch_tokens: int = 4096
-    micro_tokens: int = 4096
     seed: int = 0
     log_every: int = 20
     checkpoint_every: int = 100    # steps between resumable checkpoints in the run's out/checkpoint (0: none)
-    tree: bool = True              # each micro-batch as one prefix tree (shared prompts computed once)
     moe_aux_coef: float = 0.0      # MoE: weight of the load-balancing loss (HF Qwen3-MoE uses 0.001)
+    recompute: bool = False        # activation recomputation (gradient checkpointing per layer)
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(token_cap=4096))  # micro-batches: prefix trees of ≤ token_cap
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=20))
+
+    def validate(self) -> None:
+        from arbor.configs import check
+        check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.batch_tokens >= 1, "batch_tokens", "must be ≥ 1"),
+              (self.log_every >= 1, "log_every", "must be ≥ 1"), (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"),
+              (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"))
 
 
 def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
@@ -59,6 +66,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
     if not examples:
         raise ValueError("sft needs at least one demonstration")
     ctx = ctx or DistContext.single()
+    set_recompute(model, cfg.recompute)
     aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
 
     def step(rng) -> dict:
@@ -67,14 +75,17 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
         all_tokens = sum(len(examples[i][0]) for i in batch)
         loss_sum, aux_sum = 0.0, 0.0
         lengths = [len(examples[i][0]) for i in batch]
-        micros = first_fit_decreasing(lengths, cfg.micro_tokens)
+        micros = first_fit_decreasing(lengths, cfg.tree.token_cap)
         shares = assign_lpt([sum(lengths[j] for j in m) for m in micros], ctx.world_size)
         mine = [micros[k] for k in sorted(shares[ctx.rank])]
         for micro in mine:
             seqs = [examples[batch[j]][0] for j in micro]
             mask = torch.tensor([m for j in micro for m in examples[batch[j]][1]], dtype=torch.float32,
                                 device=model.device)
-            logp, _, *aux = (tree_packed_logprobs if cfg.tree else packed_logprobs)(model, seqs, with_aux=aux_coef > 0)
+            if cfg.tree.enabled:
+                logp, _, *aux = tree_packed_logprobs(model, seqs, cfg=cfg.tree, with_aux=aux_coef > 0)
+            else:
+                logp, _, *aux = packed_logprobs(model, seqs, with_aux=aux_coef > 0)
             loss = -(logp * mask).sum() / max(1, n_tokens)
             if aux:
                 share = sum(len(s) for s in seqs) / all_tokens
@@ -100,6 +111,10 @@ class SFTRunConfig:
     device: str = "cpu"                                # e.g. {mental_rate = 0.6} for arithmetic
     train: SFTConfig = field(default_factory=SFTConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
+
+    def validate(self) -> None:
+        if self.demos < 1:
+            raise ValueError(f"demos must be ≥ 1, got {self.demos}")
 
 
 def run_sft(cfg: SFTRunConfig, on_log=None, until=None):

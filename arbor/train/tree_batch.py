@@ -29,18 +29,21 @@ from arbor.train.tree_plan import first_fit_decreasing
 
 @dataclass
 class TreeConfig:
-    """``train.tree`` section. tree=False trains trajectory-wise (packed, one row per micro-batch)."""
+    """The ``tree`` section of ``arbor sft`` (``train.tree``) and ``arbor train``: enabled=False trains
+    trajectory-wise (packed sequences, one row per micro-batch)."""
 
-    tree: bool = True              # train each group's trajectories as one prefix tree
-    token_cap: int = 8192          # compact tokens per packed row
+    enabled: bool = True           # train each group's trajectories as one prefix tree
+    token_cap: int = 8192          # compact tokens per packed row = per micro-batch
     replay: bool = True            # chunk-aligned replay for linear-attention layers
     attention: str = "segments"    # softmax layers: "segments" (per fork-free run) | "dense" ([T, T] mask)
 
     def __post_init__(self):
-        if self.attention not in ("segments", "dense"):
-            raise ValueError(f"train.tree attention must be segments or dense, got '{self.attention}'")
-        if self.token_cap < 1:
-            raise ValueError(f"token_cap must be ≥ 1, got {self.token_cap}")
+        self.validate()
+
+    def validate(self) -> None:
+        from arbor.configs import check
+        check(self, (self.attention in ("segments", "dense"), "attention", "must be segments or dense"),
+              (self.token_cap >= 1, "token_cap", "must be ≥ 1"))
 
 
 @dataclass

@@ -93,15 +93,17 @@ class RowOutput:
 
 
 def row_logprobs(model, row: TreeBatch, cfg: TreeConfig = TreeConfig(), replay_routing: bool = True,
-                 return_routing: bool = False, with_aux: bool = False) -> RowOutput:
+                 return_routing: bool = False, with_aux: bool = False, spec=None,
+                 entropy: list | None = None) -> RowOutput:
     """Forward one tree row. replay_routing: force the row's recorded expert ids if it has any.
-    with_aux: also the row's ``router_aux_loss``, each compact token counted multiplicity times."""
+    with_aux: also the row's ``router_aux_loss``, each compact token counted multiplicity times.
+    spec, entropy: as in ``logprobs.gather_logprobs`` (entropy per compact token)."""
     row = row.to(model.device)
     attn = row_attention(row, cfg)
     routed = row.routed_experts if replay_routing else None
     out = model(row.tokens, attn, positions=row.positions, routed_experts=routed, return_routing=return_routing,
                 return_router_probs=with_aux)
-    logp = gather_logprobs(model, out.hidden[row.parents.clamp(min=0)], row.tokens)
+    logp = gather_logprobs(model, out.hidden[row.parents.clamp(min=0)], row.tokens, spec=spec, entropy=entropy)
     logp = torch.where(row.parents >= 0, logp, torch.zeros_like(logp))
     aux = router_aux_loss(out.router_probs, out.routed_experts, row.multiplicity) if with_aux else None
     return RowOutput(logp, [logp[idx] for idx in row.traj_index], out.routed_experts, aux)
@@ -130,15 +132,16 @@ def trajectory_logprobs(model, trajectories: list[list[int]], token_cap: int = 8
 
 def batch_logprobs(model, groups: list[list[list[int]]], cfg: TreeConfig = TreeConfig()) -> list[torch.Tensor]:
     """Per-trajectory log-probs of all groups' trajectories (global order): one forward per tree
-    row when ``cfg.tree``, else trajectory-wise. The two agree to float rounding."""
-    if not cfg.tree:
+    row when ``cfg.enabled``, else trajectory-wise. The two agree to float rounding."""
+    if not cfg.enabled:
         return trajectory_logprobs(model, [t for g in groups for t in g], cfg.token_cap)
     rows, n = build_rows(groups, cfg.token_cap)
     return tree_logprobs(model, rows, n, cfg)
 
 
 def tree_packed_logprobs(model, seqs: list[list[int]], device=None, routed_experts=None,
-                         cfg: TreeConfig = TreeConfig(), with_aux: bool = False):
+                         cfg: TreeConfig = TreeConfig(), with_aux: bool = False, spec=None,
+                         entropy: list | None = None):
     """Drop-in for ``logprobs.packed_logprobs`` computed on one prefix tree of all ``seqs``:
     → (logp [Σ L_j] float32 in sequence order, 0 at each first token; cu_seqlens [N+1]), and the
     MoE load-balancing loss with ``with_aux`` (equal to the trajectory-wise one).
@@ -149,7 +152,11 @@ def tree_packed_logprobs(model, seqs: list[list[int]], device=None, routed_exper
     if routed_experts is not None:
         routed = [list(routed_experts.split(lengths, dim=1))]
     (row,), _ = build_rows([seqs], cfg.token_cap, routed)  # one group: one tree, one row
-    out = row_logprobs(model, row, cfg, with_aux=with_aux)
+    compact = [] if entropy is not None else None
+    out = row_logprobs(model, row, cfg, with_aux=with_aux, spec=spec, entropy=compact)
+    if entropy is not None:     # one tensor aligned with the returned log-probs, as packed_logprobs leaves
+        ent = torch.cat(compact)
+        entropy[:] = [torch.cat([ent[idx.to(ent.device)] for idx in row.traj_index])]
     cu = torch.tensor([0] + lengths, device=out.logp.device).cumsum(0)
     return (torch.cat(out.per_trajectory), cu) + ((out.aux,) if with_aux else ())
 
