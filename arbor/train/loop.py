@@ -39,7 +39,10 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
 
     On several ranks (``ctx``; collective): the model is one ordinary HF folder (experts gathered),
     each rank's optimizer state, RNGs and ``state`` go to ``rank{r}.pt``, and rank 0 writes
-    ``trainer.pt`` ({world_size, settings}) last and moves the folders."""
+    ``trainer.pt`` ({world_size, settings}) last and moves the folders. An expert-parallel model's
+    per-layer expert placement is saved with each rank's state and re-applied by ``load_state``
+    before the weights and the optimizer's slot-indexed moments are loaded (a migrated placement
+    resumes as it was)."""
     from arbor.models import save_model
     folder, ctx = Path(folder), ctx or DistContext.single()
     tmp = _tmp(folder)
@@ -54,6 +57,9 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
     ctx.barrier("checkpoint: model written")
     mine = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **state}
+    placements = _placements(model)
+    if placements:                    # expert slots (and the optimizer's slot-indexed moments) follow these
+        mine["ep_placements"] = placements
     if ctx.distributed:
         torch.save(mine, tmp / f"rank{ctx.rank}.pt")
         ctx.barrier("checkpoint: rank states written")
@@ -66,6 +72,13 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
             shutil.rmtree(folder)
         tmp.rename(folder)
     ctx.barrier("checkpoint: moved into place")
+
+
+def _placements(model) -> dict:
+    """Each MoE layer's expert placement of an expert-parallel model ({} otherwise), as plain lists."""
+    from arbor.models.expert_migration import placements_of
+    return {m: {"rank_of": p.rank_of, "slot_of": p.slot_of, "ep_size": p.ep_size}
+            for m, p in placements_of(model).items()}
 
 
 def _tmp(folder: Path) -> Path:
@@ -99,6 +112,9 @@ def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict
         raise ValueError(f"{folder} holds a checkpoint that this version of Arbor cannot resume (it lacks "
                          f"{', '.join(missing)}); delete {folder} to start over")
     _check_same_settings(folder, state["settings"], settings)
+    if state.get("ep_placements"):    # a migrated placement: relabel first, so weights and moments land in place
+        from arbor.models.expert_migration import set_placement
+        set_placement(model, state.pop("ep_placements"))
     model.load_state_dict(from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model))
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))

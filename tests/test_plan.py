@@ -1,0 +1,160 @@
+"""arbor.plan: packing certificates, placement, annealed layout, baselines, cost fit (numpy only, fast)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from arbor.plan import AnnealConfig, CostModel, Sample, balanced, karmarkar_karp, kk_workload, pack_rows, routepack, \
+    token_balance
+from arbor.plan.cost import fit
+from arbor.plan.layout import anneal, energy
+from arbor.plan.packing import best_fit_decreasing, lower_bound_l1, lower_bound_l2
+from arbor.plan.routepack import grid_start, problem
+from arbor.plan.traces import synthetic
+
+COST = CostModel(a=2e-4, b=1e-7, e=1e-4, c0=5e-3)
+FAST = AnnealConfig(population=8, levels=6, sweeps=24)
+
+
+def opt_rows(sizes, cap) -> int:
+    """Brute-force minimum number of rows (tiny instances)."""
+    for k in range(1, len(sizes) + 1):
+        for assign in itertools.product(range(k), repeat=len(sizes)):
+            if assign[0] == 0 and all(sum(s for s, a in zip(sizes, assign) if a == b) <= cap for b in range(k)):
+                return k
+    return len(sizes)
+
+
+def test_certificate_by_l2_where_l1_is_not_tight():
+    p = pack_rows([6, 6, 6], 10)           # Σ = 18 → L1 = 2; no two items share a row → L2 = 3
+    assert (p.l1, p.l2, len(p.rows), p.certified, p.status) == (2, 3, 3, True, "certified")
+
+
+def test_certificate_by_l1_and_a_best_known_gap():
+    p = pack_rows([5, 5, 5, 5, 3, 3, 2, 2], 10)
+    assert p.l1 == 3 and len(p.rows) == 3 and p.certified
+    q = pack_rows([4] * 5, 10)             # optimum 3 (two per row), but L1 = L2 = 2: not provable here
+    assert (q.l1, q.l2, len(q.rows)) == (2, 2, 3)
+    assert not q.certified and q.gap == 1 and q.status == "best known (gap 1)"
+
+
+def test_bounds_are_sound_and_bfd_valid_on_random_tiny_instances():
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        cap = int(rng.integers(8, 20))
+        sizes = rng.integers(1, cap + 1, size=int(rng.integers(1, 7))).tolist()
+        best = opt_rows(sizes, cap)
+        assert lower_bound_l1(sizes, cap) <= lower_bound_l2(sizes, cap) <= best
+        p = pack_rows(sizes, cap)
+        assert sorted(i for r in p.rows for i in r) == list(range(len(sizes)))
+        assert all(sum(sizes[i] for i in r) <= cap for r in p.rows)
+        assert len(p.rows) >= best and (not p.certified or len(p.rows) == best)
+
+
+def test_samples_over_the_cap_are_refused():
+    with pytest.raises(ValueError, match=r"1\.\.10 \(the token cap\)"):
+        pack_rows([3, 11], 10)
+
+
+def test_placement_reaches_the_known_optimum():
+    demand = [17, 13, 10, 6, 6, 1]         # greedy alone: 29 ({17, 6, 6} vs {13, 10, 1}); optimum 28
+    best = min(max(sum(demand[i] for i in c), sum(demand) - sum(demand[i] for i in c))
+               for c in itertools.combinations(range(6), 3))
+    p = balanced(demand, 2)
+    assert best == 28 and p.max_load == 28
+    assert sorted(p.rank_of) == [0, 0, 0, 1, 1, 1] and p.lower_bound == 26.5
+    assert p.max_over_mean == pytest.approx(28 / 26.5)
+    q = balanced([8, 1, 1, 1, 1, 1, 1, 1], 4)
+    assert q.max_load == 9 == q.lower_bound       # the busiest expert + the lightest one
+
+
+def test_placement_keeps_experts_where_they_are_when_labels_tie():
+    p = balanced([4, 4, 1, 1], 2, current=[1, 0, 1, 0])
+    assert p.rank_of == [1, 0, 1, 0] or p.max_load == 5
+    assert sum(a == b for a, b in zip(p.rank_of, [1, 0, 1, 0])) >= 2
+
+
+def trace(seed, n=24, experts=8, layers=2, max_len=256):
+    ids, _ = synthetic(n, experts, layers, 2, seed=seed, max_len=max_len, min_len=8)
+    return [Sample.from_ids(x, experts) for x in ids]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_routepack_plans_keep_every_invariant(seed):
+    rng = np.random.default_rng(seed)
+    dp, ep = [(2, 2), (4, 2), (2, 1), (4, 4)][seed % 4]
+    samples = trace(seed, n=int(rng.integers(12, 40)))
+    cap = int(rng.integers(256, 1024))
+    plan = routepack(samples, ep, dp, cap, COST, anneal_cfg=FAST)
+    cells = [c for rank in plan.cells for c in rank]
+    assert len(plan.cells) == dp and len({len(rank) for rank in plan.cells}) == 1        # equal counts per rank
+    assert sorted(i for c in cells for i in c) == list(range(len(samples)))              # each sample once
+    assert all(c for c in cells)                                                         # no empty cell
+    assert all(sum(samples[i].length for i in c) <= cap for c in cells)                  # capacity
+    assert len(plan.packing.rows) >= plan.packing.bound and plan.slots == -(-len(plan.packing.rows) // dp)
+    for p in plan.placements:
+        assert sorted(p.rank_of) == sorted(list(range(ep)) * (8 // ep))
+    assert plan.energy <= plan.stats["start_energy"] + 1e-12
+
+
+def test_too_few_samples_for_the_grid_is_an_error():
+    samples = [Sample(60, np.ones((1, 4))) for _ in range(3)]     # 3 rows of 60 under cap 100, 2 ranks → 4 cells
+    with pytest.raises(ValueError, match="cannot fill 2 x 2"):
+        routepack(samples, 2, 2, 100, COST, anneal_cfg=FAST)
+
+
+def test_annealing_is_deterministic_per_seed_and_never_worse_than_its_start():
+    samples = trace(7, n=32)
+    plan = routepack(samples, 2, 2, 512, COST, anneal_cfg=FAST)
+    prob = problem(samples, plan.placements, 2, plan.slots, 2, 512, COST)
+    start = grid_start(plan.packing.rows, prob.lengths, prob.attn, 2)
+    a, sa = anneal(prob, start, AnnealConfig(population=8, levels=6, sweeps=24, seed=3))
+    b, sb = anneal(prob, start, AnnealConfig(population=8, levels=6, sweeps=24, seed=3))
+    assert np.array_equal(a, b) and sa == sb
+    assert energy(prob, a) <= energy(prob, start)
+    hot = AnnealConfig(population=4, levels=2, sweeps=8, beta_lo=1e-6, beta_hi=1e-5, seed=0)   # a random walk
+    for seed in range(5):
+        c, st = anneal(prob, start, AnnealConfig(**{**hot.__dict__, "seed": seed}))
+        assert energy(prob, c) <= energy(prob, start) and st["energy"] == energy(prob, c)
+
+
+def test_baselines_cover_every_sample_and_kk_balances():
+    parts = karmarkar_karp([8, 7, 6, 5, 4], 2)
+    assert sorted(i for p in parts for i in p) == [0, 1, 2, 3, 4]
+    assert sorted(sum([8, 7, 6, 5, 4][i] for i in p) for p in parts) == [14, 16]     # KK's classic answer (optimum 15/15)
+    samples = trace(3, n=30)
+    for plan in (token_balance(samples, 2, 2, 512, COST), kk_workload(samples, 2, 2, 512, COST)):
+        cells = [c for rank in plan.cells for c in rank]
+        assert sorted(i for c in cells for i in c) == list(range(30))
+        assert all(sum(samples[i].length for i in c) <= 512 for c in cells)
+        assert len({len(r) for r in plan.cells}) == 1
+        assert [p.rank_of for p in plan.placements] == [[0, 0, 0, 0, 1, 1, 1, 1]] * 2   # static contiguous
+
+
+def test_cost_fit_recovers_known_coefficients():
+    rows = [64, 128, 256, 512]
+    runs = [{"lengths": [n] * k, "seconds": 0.0} for n, k in ((32, 8), (128, 4), (256, 2), (512, 1), (1024, 1))]
+    truth = CostModel(a=3e-4, b=2e-7, e=5e-5, c0=1e-2)
+    for r in runs:
+        T = sum(r["lengths"])
+        r["seconds"] = truth.c0 + truth.attention(r["lengths"]).sum() + truth.e * 2 * 2 * T
+    got = fit(rows, [1e-3 + truth.e * R for R in rows], runs, moe_layers=2, top_k=2)
+    for k in ("a", "b", "e", "c0"):
+        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-6)
+    assert got.meta["step_fit_r2"] > 0.999
+
+
+def test_cost_model_round_trips_through_json(tmp_path):
+    path = COST.save(tmp_path / "cost.json")
+    back = CostModel.load(path)
+    assert (back.a, back.b, back.e, back.c0) == (COST.a, COST.b, COST.e, COST.c0)
+    with pytest.raises(FileNotFoundError, match="arbor plan calibrate"):
+        CostModel.load(tmp_path / "missing.json")
+
+
+def test_plan_package_imports_no_torch():
+    import subprocess
+    import sys
+    code = "import sys, arbor.plan, arbor.plan.traces; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
