@@ -44,6 +44,7 @@ from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.tree_batch import TreeConfig, build_tree
 from arbor.train.tree_forward import tree_packed_logprobs
+from arbor.train.routepack_hook import PlanConfig, RoutePackHook
 
 
 NOISE_DISTS = ("normal", "cauchy")
@@ -91,6 +92,7 @@ class RLConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
     c3po: C3POConfig = field(default_factory=C3POConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
+    plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
 
     def validate(self) -> None:
         check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.groups_per_step >= 1, "groups_per_step", "must be ≥ 1"),
@@ -120,6 +122,7 @@ class RLTrainer:
         self.sampling_factory = sampling_factory
         set_recompute(model, cfg.recompute)
         self.optimizer = make_optimizer(model, cfg.optim)
+        self.routepack = RoutePackHook(cfg.plan, model, self.optimizer, engine, self.ctx)
         r = cfg.rollout     # the trainer's log-probs are those of the distribution the engine sampled from
         self.spec = SamplingSpec(temperature=r.temperature if r.temperature > 0 else 1.0, top_p=r.top_p)
         self.reference = None
@@ -312,6 +315,7 @@ class RLTrainer:
             t3 = time.perf_counter()
             oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
             staleness = self.collector.version - oldest   # policy versions behind the one trained
+            row.update(self.routepack.after_step(trajs, self.step))      # may migrate experts (collective)
             row["sync_s"] = self.sync_weights()
             row.update(recompute_s=t2 - t1, train_s=t3 - t2)
             reward_sum = sum(t.reward for t in trajs)
@@ -344,7 +348,7 @@ class RLTrainer:
         save_state(folder, self.model, self.optimizer, tokenizer=self.tok, state={
             "step": self.step, "pool": self.pool, "next_problem": self.next_problem, "next_group": self.next_group,
             "version": self.collector.version, "history": self.history, "python_rng": random.getstate(),
-            "settings": settings_of(self.cfg)}, ctx=self.ctx)
+            "routepack": self.routepack.state_dict(), "settings": settings_of(self.cfg)}, ctx=self.ctx)
 
     def load(self, folder: Path) -> bool:
         """Resume from ``folder``'s checkpoint; False (nothing changed) when there is none."""
@@ -355,6 +359,7 @@ class RLTrainer:
         self.next_problem, self.next_group = s["next_problem"], s["next_group"]
         self.collector.version = s["version"]
         random.setstate(s["python_rng"])
+        self.routepack.load_state_dict(s.get("routepack"))
         self.engine.update_weights(self.model.state_dict())
         return True
 

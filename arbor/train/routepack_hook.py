@@ -34,13 +34,12 @@ class PlanConfig:
     window: int = 4              # optimizer steps per planning window
 
     def validate(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"plan.window must be ≥ 1, got {self.window}")
+        from arbor.configs import check
+        check(self, (self.window >= 1, "window", "must be ≥ 1"))
 
 
 class RoutePackHook:
     def __init__(self, cfg: PlanConfig, model, optimizer, engine, ctx):
-        cfg.validate()
         self.cfg, self.model, self.optimizer, self.engine, self.ctx = cfg, model, optimizer, engine, ctx
         self.active = cfg.routepack and getattr(model, "ep_state", None) is not None
         self.demand = None
