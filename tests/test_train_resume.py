@@ -123,3 +123,71 @@ def test_cli_sft_resumes_from_its_checkpoint(tmp_path, capsys):
     # other data into the same folder: refused (the run's settings, not only the optimizer's, must match)
     assert cli_main(["sft", *words, "train.steps=3", "demos=20"]) == 2
     assert "demos: 16 → 20" in capsys.readouterr().err
+
+
+def test_a_nonfinite_step_stops_the_run_before_it_is_saved(tmp_path, capsys):
+    """A NaN learning signal: the run stops naming the step, the last good checkpoint stays as it was;
+    with optim.skip_nonfinite the step is skipped and counted instead."""
+    out = tmp_path / "sft"
+    words = [f"out={out}", "demos=16", "train.batch_tokens=300", "train.log_every=1", "train.checkpoint_every=1",
+             "train.steps=4", "train.optim.lr=1e30", "train.optim.warmup_steps=0"]     # step 0 blows the weights up
+    assert cli_main(["sft", *words]) == 2
+    err = capsys.readouterr().err
+    assert "step 1: the gradient norm is" in err and "not finite" in err
+    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)
+    assert state["step"] == 1                               # the last good checkpoint: after step 0, kept
+    assert not (out / "model.safetensors").exists()         # no final model
+
+
+def test_nonfinite_gradients_are_skipped_when_asked():
+    from arbor.train.optim import NonFiniteError, make_optimizer, optimizer_step
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    model(torch.full((1, 3), float("nan"))).sum().backward()
+    with pytest.raises(NonFiniteError, match="step 7"):
+        optimizer_step(model, make_optimizer(model, OptimConfig()), 7, 10, OptimConfig())
+    model(torch.full((1, 3), float("nan"))).sum().backward()
+    stats = optimizer_step(model, make_optimizer(model, OptimConfig()), 7, 10, OptimConfig(skip_nonfinite=True))
+    assert stats["skipped"] == 1.0 and torch.equal(model.weight, before) and model.weight.grad is None
+
+
+@pytest.mark.parametrize("damage", ["nan tensor", "flipped byte", "truncated trainer.pt"])
+def test_a_damaged_checkpoint_is_refused_naming_what(tmp_path, capsys, damage):
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "sft"
+    words = [f"out={out}", "demos=16", "train.batch_tokens=300", "train.log_every=1", "train.checkpoint_every=2"]
+    assert cli_main(["sft", *words, "train.steps=2"]) == 0
+    ckpt = out / "checkpoint"
+    weights = ckpt / "model" / "model.safetensors"
+    if damage == "nan tensor":          # a NaN written consistently (its checksum re-recorded): still refused
+        import hashlib
+        tensors = load_file(str(weights))
+        name = sorted(tensors)[0]
+        tensors[name][0].fill_(float("nan"))
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        state = torch.load(ckpt / "trainer.pt", weights_only=False)
+        state["checksums"]["model/model.safetensors"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+        torch.save(state, ckpt / "trainer.pt")
+        want = f"tensor '{name}' holds NaN or inf values"
+    elif damage == "flipped byte":
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0xFF
+        weights.write_bytes(bytes(data))
+        want = "model.safetensors is corrupted or truncated"
+    else:
+        (ckpt / "trainer.pt").write_bytes((ckpt / "trainer.pt").read_bytes()[:100])
+        want = "trainer.pt"
+    capsys.readouterr()
+    assert cli_main(["sft", *words, "train.steps=3"]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_model_folder_errors_name_the_file(tmp_path):
+    from arbor.models import ConfigError
+    from arbor.models.tokenizer import Tokenizer
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=str(tmp_path / "config.json")):
+        ModelConfig.from_file(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer.json in {tmp_path}"):
+        Tokenizer.load(tmp_path)

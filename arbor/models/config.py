@@ -196,7 +196,16 @@ class ModelConfig:
             path = path / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"no config.json at {path}")
-        return cls.from_hf(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}); an HF model folder's config.json is a JSON object") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} holds {type(data).__name__}, not a JSON object of model settings")
+        try:
+            return cls.from_hf(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     def to_hf(self) -> dict:
         out = dict(self.extra)

@@ -75,7 +75,8 @@ class Tokenizer:
         path = Path(path)
         folder, tok_file = (path.parent, path) if path.is_file() else (path, path / "tokenizer.json")
         if not tok_file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {tok_file}")
+            raise FileNotFoundError(f"no tokenizer.json in {folder}: a model folder needs the HF tokenizer file "
+                                    f"(tokenizer.json, as transformers' save_pretrained writes it) next to config.json")
         tok = tokenizers.Tokenizer.from_file(str(tok_file))
         kwargs = {}
         cfg_file = folder / "tokenizer_config.json"

@@ -65,6 +65,7 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
         ctx.barrier("checkpoint: rank states written")
         mine = {"settings": state["settings"], "world_size": ctx.world_size}
     if ctx.is_main:
+        mine["checksums"] = _checksums(tmp)
         torch.save(mine, tmp / "trainer.part")
         (tmp / "trainer.part").rename(tmp / "trainer.pt")
         if folder.exists():
@@ -85,6 +86,39 @@ def _tmp(folder: Path) -> Path:
     return folder.with_name(folder.name + ".tmp")
 
 
+def _checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a checkpoint but ``trainer.pt`` (which records them), by relative path."""
+    import hashlib
+    out = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in ("trainer.pt", "trainer.part")):
+        h = hashlib.sha256()
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        out[str(f.relative_to(folder))] = h.hexdigest()
+    return out
+
+
+def _verify(folder: Path, recorded: dict[str, str] | None) -> None:
+    """Refuse a checkpoint whose files differ from what ``save_state`` wrote (corrupted, truncated,
+    missing), naming the first such file. Checkpoints of older versions carry no checksums."""
+    if recorded is None:
+        return
+    now = _checksums(folder)
+    for name, digest in recorded.items():
+        if now.get(name) != digest:
+            what = "is missing" if name not in now else "is corrupted or truncated (its checksum differs from the one saved)"
+            raise ValueError(f"{folder / name} {what}; delete {folder} to start over, or restore that file")
+
+
+def _load(path: Path) -> dict:
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:   # a truncated or overwritten pickle raises anything from EOFError to UnpicklingError
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e}); the checkpoint is damaged — delete "
+                         f"{path.parent} to start over") from None
+
+
 def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict | None:
     """Load ``save_state``'s model weights, optimizer state and torch RNGs; → the rest of the state, or
     None when ``folder`` holds no checkpoint. Raises, changing nothing, when the checkpoint's
@@ -99,14 +133,15 @@ def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict
     ctx.barrier("checkpoint: find")
     if not (folder / "trainer.pt").exists():
         return None
-    state = torch.load(folder / "trainer.pt", weights_only=False)
+    state = _load(folder / "trainer.pt")
+    _verify(folder, state.get("checksums"))
     saved_world = state.get("world_size", 1)
     if saved_world != ctx.world_size:
         raise ValueError(f"{folder} holds a checkpoint written by {saved_world} rank(s) and this run has "
                          f"{ctx.world_size}; resume it with the same number of ranks (`arbor launch -n {saved_world} "
                          f"...`{' or without launch' if saved_world == 1 else ''}), or delete {folder} to start over")
     if ctx.distributed:
-        state = {**torch.load(folder / f"rank{ctx.rank}.pt", weights_only=False), "settings": state["settings"]}
+        state = {**_load(folder / f"rank{ctx.rank}.pt"), "settings": state["settings"]}
     missing = sorted({"optimizer", "torch_rng", "cuda_rng", "settings"} - state.keys())
     if missing:
         raise ValueError(f"{folder} holds a checkpoint that this version of Arbor cannot resume (it lacks "
@@ -115,7 +150,12 @@ def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict
     if state.get("ep_placements"):    # a migrated placement: relabel first, so weights and moments land in place
         from arbor.models.expert_migration import set_placement
         set_placement(model, state.pop("ep_placements"))
-    model.load_state_dict(from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model))
+    weights = from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model)
+    bad = next((name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise ValueError(f"{folder / 'model'}: tensor '{bad}' holds NaN or inf values; this checkpoint cannot be "
+                         f"resumed — delete {folder} (or restore an earlier one) to start over")
+    model.load_state_dict(weights)
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
     cuda_rng = state.pop("cuda_rng")

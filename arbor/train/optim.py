@@ -1,4 +1,8 @@
-"""AdamW with linear warm-up then cosine decay to ``min_lr_ratio · lr``; gradient-norm clipping."""
+"""AdamW with linear warm-up then cosine decay to ``min_lr_ratio · lr``; gradient-norm clipping.
+
+A step whose gradient norm is not finite (a NaN/inf loss or gradient) never reaches the weights:
+``optimizer_step`` raises ``NonFiniteError`` naming the step (the run stops before anything of it
+is saved), or with ``skip_nonfinite`` drops the gradients and reports ``skipped = 1``."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ class OptimConfig:
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
+    skip_nonfinite: bool = False   # a step whose gradient norm is NaN/inf is skipped (and counted) instead of stopping the run
 
     def validate(self) -> None:
         from arbor.configs import check
@@ -39,6 +44,10 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
                              betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
+class NonFiniteError(ValueError):
+    """A loss or gradient became NaN/inf; the message names the step."""
+
+
 def optimizer_step(model, optimizer, step: int, total: int, cfg: OptimConfig, ctx=None) -> dict:
     """Clip, set the scheduled lr, step, zero grads; → {"grad_norm", "lr"}. On several ranks
     (``ctx``) gradients are first summed over ranks and clipped by their global norm
@@ -49,9 +58,16 @@ def optimizer_step(model, optimizer, step: int, total: int, cfg: OptimConfig, ct
         norm = clip_global(model, cfg.grad_clip, ctx)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if not math.isfinite(float(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        if not cfg.skip_nonfinite:
+            raise NonFiniteError(f"step {step}: the gradient norm is {float(norm)} (a loss or gradient is not finite); "
+                                 "the run stops before this step changes the weights or is saved — the last checkpoint "
+                                 "is intact. Lower the learning rate, or set optim.skip_nonfinite=true to skip such steps")
+        return {"grad_norm": float(norm), "lr": lr_at(step, total, cfg), "skipped": 1.0}
     lr = lr_at(step, total, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": float(norm), "lr": lr}
+    return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0}

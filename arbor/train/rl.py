@@ -232,18 +232,22 @@ class RLTrainer:
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         adv = group_advantages(rewards, torch.tensor([t.group for t in trajs], dtype=torch.long),
                                self.cfg.advantage, self.cfg.normalize_std)
-        stats, norms = {}, []
+        stats, norms, skipped = {}, [], 0.0
         aux = self.model.config.moe_layers and self.cfg.moe_aux_coef > 0
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
             for mini in self.mini_batches(trajs):
                 self._train_mini(trajs, mini, adv, logp_old, logp_ref, stats)
                 opt = optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx)
-                norms.append(opt["grad_norm"])
+                if opt["skipped"]:
+                    skipped += 1
+                else:
+                    norms.append(opt["grad_norm"])
         self.model.eval()
         out = self._reduce_stats(stats, aux)
-        out.update(grad_norm=sum(norms) / len(norms), grad_norm_max=max(norms), lr=opt["lr"],
-                   optimizer_steps=len(norms))
+        nan = float("nan")
+        out.update(grad_norm=sum(norms) / len(norms) if norms else nan, grad_norm_max=max(norms, default=nan),
+                   lr=opt["lr"], optimizer_steps=len(norms), skipped_steps=skipped)
         return out
 
     def _train_mini(self, trajs, mini: list[int], adv, logp_old, logp_ref, stats: dict) -> None:
