@@ -55,3 +55,50 @@ class EngineConfig:
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
             budget = int(free * self.kv_memory_fraction)
         return max(1, min(wanted, budget // max(1, bytes_per_block)))
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the first knob that no engine can run with (a count ≤ 0 would leave the
+        scheduler with nothing it may schedule: a busy loop that never finishes a request)."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes"):
+            _positive_int(name, getattr(self, name))
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2 (a prompt token and an answer), "
+                             f"got {self.max_model_len}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"EngineConfig.kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction!r}")
+        if not isinstance(self.state_snapshots, int) or self.state_snapshots < 0:
+            raise ValueError(f"EngineConfig.state_snapshots must be an integer >= 0, got {self.state_snapshots!r}")
+        if not self.logit_noise >= 0:
+            raise ValueError(f"EngineConfig.logit_noise must be >= 0, got {self.logit_noise!r}")
+        from arbor.engine.scheduler import POLICIES
+        if self.policy not in POLICIES:
+            raise ValueError(f"EngineConfig.policy must be one of {sorted(POLICIES)}, got '{self.policy}'")
+        self.torch_dtype
+
+    def check_device(self) -> torch.device:
+        """The engine's device, or ValueError when this process cannot use it (e.g. "cuda" without CUDA)."""
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"EngineConfig.device '{self.device}' is not a device torch knows: {e}") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"EngineConfig.device is '{self.device}' but CUDA is not available here "
+                                 f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); "
+                                 "use device='cpu'")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ValueError(f"EngineConfig.device is '{self.device}' but this machine has "
+                                 f"{torch.cuda.device_count()} CUDA device(s)")
+        elif dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"EngineConfig.device is '{self.device}' but MPS is not available here; use device='cpu'")
+        return dev
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
