@@ -11,8 +11,9 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine", "ep"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine", "ep", "routepack"]
 
 
 def add_bench(sub) -> None:
@@ -195,7 +196,7 @@ def _run_engine_generate(a) -> None:
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     p.add_argument("model", help="HF-layout checkpoint folder")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -205,6 +206,26 @@ def add_serve(sub) -> None:
     p.add_argument("--served-model-name", help="default: the folder name")
     p.add_argument("--ranks", type=int, default=1,
                    help="serve from N local ranks (data-parallel attention; experts split when MoE)")
+    p.add_argument("--api-key", default=os.environ.get("ARBOR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route (default: $ARBOR_API_KEY; none: open)")
+    p.add_argument("--enable-weight-updates", action="store_true", help="allow POST /update_weights")
+    p.add_argument("--weight-updates-root",
+                   help="/update_weights reads only inside this folder (default: the model folder's parent)")
+    p.add_argument("--max-n", type=int, default=16, help="most samples per prompt (n)")
+    p.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    p.add_argument("--max-request-tokens", type=int, default=65536,
+                   help="most tokens one request may generate: prompts × n × max_tokens")
+    p.add_argument("--max-body-mb", type=float, default=32, help="largest request body in MiB")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds requests may run on after SIGTERM/SIGINT before they are aborted")
+
+    def server_config(a):
+        from arbor.engine.server_config import ServerConfig
+        root = a.weight_updates_root or (str(Path(a.model).resolve().parent) if a.enable_weight_updates else None)
+        return ServerConfig(max_n=a.max_n, max_prompts=a.max_prompts, max_request_tokens=a.max_request_tokens,
+                            max_body_bytes=int(a.max_body_mb * (1 << 20)), api_key=a.api_key or None,
+                            enable_weight_updates=a.enable_weight_updates, weight_updates_root=root,
+                            shutdown_grace_s=a.shutdown_grace)
 
     def run(a):
         from arbor.engine import EngineConfig
@@ -216,8 +237,12 @@ def add_serve(sub) -> None:
             from arbor.dist.launch import launch
             argv = ["serve", a.model]
             for act in p._actions:
-                if act.option_strings and act.dest != "help" and getattr(a, act.dest) is not None:
-                    argv += [act.option_strings[-1], str(getattr(a, act.dest))]
+                value = getattr(a, act.dest, None)
+                if not act.option_strings or act.dest in ("help", "api_key") or value is None or value is False:
+                    continue
+                argv += [act.option_strings[-1]] + ([] if value is True else [str(value)])
+            if a.api_key:           # to the ranks through the environment, not their command lines
+                os.environ["ARBOR_API_KEY"] = a.api_key
             return launch([sys.executable, "-m", "arbor.cli", *argv], a.ranks).returncode
         if a.ranks > 1 and world != a.ranks:
             raise ValueError(f"--ranks {a.ranks} but this process is one of WORLD_SIZE={world} ranks")
@@ -225,8 +250,8 @@ def add_serve(sub) -> None:
                            max_num_seqs=a.max_num_seqs, policy=a.policy)
         if world > 1:                                              # a rank (arbor launch, torchrun, --ranks)
             from arbor.engine.rank_front import serve_ranks
-            return serve_ranks(a.model, a.host, a.port, cfg, a.served_model_name)
-        serve(a.model, a.host, a.port, cfg, a.served_model_name)
+            return serve_ranks(a.model, a.host, a.port, cfg, a.served_model_name, server_config(a))
+        serve(a.model, a.host, a.port, cfg, a.served_model_name, server_config(a))
 
     p.set_defaults(func=run)
 
@@ -278,7 +303,44 @@ def add_launch(sub) -> None:
     p.set_defaults(func=run)
 
 
-SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate, add_serve, add_launch]
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="RoutePack planner tools (arbor.plan)")
+    plan = p.add_subparsers(dest="plan", required=True)
+    c = plan.add_parser("calibrate", help="measure this machine and fit the planner's cost model (JSON)")
+    c.add_argument("--model", help="HF folder of the MoE model to measure (default: the bench ep shape)")
+    for flag, default in (("--hidden", 512), ("--experts", 16), ("--top-k", 2), ("--moe-intermediate", 512),
+                          ("--layers", 4), ("--vocab", 2048)):
+        c.add_argument(flag, type=int, default=default, help="shape without --model (random weights)")
+    c.add_argument("--threads", type=int, default=1, help="intra-op threads (one per EP rank on a 2-core CPU)")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--out", help="where to write the JSON (default: $ARBOR_CACHE or ~/.cache/arbor/plan_cost.json)")
+
+    def run(a):
+        import torch
+
+        from arbor.plan.cost import default_cost_file
+        from arbor.train.plan_calibrate import calibrate
+        if a.model:
+            from arbor.models import load_model
+            model = load_model(a.model, dtype=torch.float32)
+        else:
+            from arbor.bench.ep import model_shape
+            from arbor.bench.ep_worker import build_model
+            from arbor.dist import DistContext
+            shape = model_shape(a.hidden, a.experts, a.top_k, a.moe_intermediate, a.layers, a.vocab)
+            model = build_model(shape, DistContext.single(), torch.device("cpu"))
+        if not model.config.moe_layers:
+            raise ValueError("arbor plan calibrate needs an MoE model")
+        cost = calibrate(model, repeats=a.repeats, threads=a.threads)
+        path = cost.save(a.out or default_cost_file())
+        print(f"a={cost.a:.4g} s/token  b={cost.b:.4g} s/token²  e={cost.e:.4g} s/routed row/layer  c0={cost.c0:.4g} s"
+              f"  (R² experts {cost.meta['expert_fit_r2']:.3f}, steps {cost.meta['step_fit_r2']:.3f})")
+        print(f"wrote {path}")
+
+    c.set_defaults(func=run)
+
+
+SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate, add_serve, add_launch, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,51 +1,31 @@
 """The OpenAI-compatible server over real HTTP (uvicorn in a thread, httpx client)."""
 
-import json
-import socket
-import threading
-import time
-
 import httpx
 import pytest
 import torch
-import uvicorn
 
-from arbor.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams
 from arbor.engine.server import build_app
+from arbor.engine.server_config import ServerConfig
+from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
 from arbor.models import CausalLM, ModelConfig, save_model
-from arbor.models.tokenizer import builtin_tokenizer
+from tests.server_helpers import running, sse_events as _events, tiny_folder
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    tok = builtin_tokenizer()
-    torch.manual_seed(0)
-    model = CausalLM(ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, head_dim=8,
-                                 eos_token_id=tok.eos_token_id)).eval()
-    folder = tmp_path_factory.mktemp("served")
-    save_model(model, folder, tokenizer=tok)
-    engine = AsyncLLMEngine(str(folder), EngineConfig(max_model_len=128))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-        yield client, folder, tok
-    srv.should_exit = True
-    thread.join(5)
+    folder = tiny_folder(tmp_path_factory.mktemp("served"))
+    engine = ThreadedAsyncLLMEngine(str(folder), EngineConfig(max_model_len=128))
+    cfg = ServerConfig(enable_weight_updates=True, weight_updates_root=str(tmp_path_factory.getbasetemp()))
+    with running(build_app(engine, "tiny", cfg)) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield client, folder, engine.tokenizer
     torch.set_num_threads(threads)
 
 
 def sse_events(resp):
-    lines = [line for line in resp.text.split("\n") if line]
-    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
-    return [json.loads(line[6:]) for line in lines[:-1]]
+    return _events(resp.text)
 
 
 def test_health_and_models(server):

@@ -62,6 +62,16 @@ class AsyncLLMEngine:
     def model_config(self):
         return self.engine.model.config
 
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Texts longer than this are refused untokenized (``LLMEngine.max_prompt_chars``)."""
+        return getattr(self.engine, "max_prompt_chars", None)
+
+    def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError when the engine would refuse it; changes nothing,
+        so it may run on any thread (a long text is tokenized with the GIL released)."""
+        return self.engine.check_request(prompt, params)
+
     def _ensure_loop(self) -> None:
         if self.engine.lockstep and not self._open:
             raise RuntimeError("a distributed engine streams only inside `async with engine.session():`, "
@@ -165,6 +175,11 @@ class AsyncLLMEngine:
 
     def update_weights(self, named_tensors) -> float:
         return self.engine.update_weights(named_tensors)
+
+    async def run_between_steps(self, fn):
+        """``fn()`` between two engine steps → its result (here: at once, on the loop, which steps
+        only between its awaits)."""
+        return fn()
 
     def pause(self) -> None:
         """Stop stepping after the current step (requests stay queued)."""

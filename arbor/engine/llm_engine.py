@@ -14,7 +14,9 @@ per step on the control group).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import numbers
 import time
 from itertools import count
 from pathlib import Path
@@ -32,6 +34,19 @@ from arbor.engine.scheduler import Scheduler
 from arbor.engine.sequence import Completion, Sequence
 
 log = logging.getLogger(__name__)
+
+_LONG_TEXT = 4096       # characters above which a text is tokenized with the GIL released
+
+
+def _check_text(text, what: str) -> None:
+    """ValueError unless ``text`` is a string that UTF-8 can encode (no lone surrogates)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string, got {type(text).__name__}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode text (character {e.start}: a lone surrogate)") from None
 
 
 def _load(model_or_path, cfg: EngineConfig, tokenizer, ctx=None):
@@ -58,6 +73,8 @@ class LLMEngine:
         context of a distributed engine (a folder is then loaded with its experts sharded; a
         module must already be sharded with ``shard_experts``)."""
         self.config = cfg = config or EngineConfig()
+        cfg.validate()
+        cfg.check_device()
         self.model, self.tokenizer, owned = _load(model_or_path, cfg, tokenizer, ctx)
         self.ctx = ctx
         self.lockstep = getattr(self.model, "ep_state", None) is not None
@@ -84,10 +101,35 @@ class LLMEngine:
         self.num_steps = 0
 
     # ---- requests -----------------------------------------------------------------------
+    @functools.cached_property
+    def _longest_token_chars(self) -> int | None:
+        vocab = getattr(getattr(self.tokenizer, "tok", None), "get_vocab", None)
+        return None if vocab is None else max(1, max((len(t) for t in vocab(with_added_tokens=True)), default=1))
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Text longer than this cannot fit the context, so it is refused without being tokenized:
+        a token spells at most ``L`` characters (the longest vocabulary entry), hence a text of c
+        characters has at least c / L tokens; the factor 2 leaves room for normalizers that merge
+        characters. None without a vocabulary to measure."""
+        longest = self._longest_token_chars
+        return None if longest is None else 2 * self.max_model_len * longest
+
     def encode(self, prompt) -> list[int]:
+        """Token ids of a text (never special tokens added) or of a list of ids (taken as they are).
+        A long text is tokenized with the GIL released, so other threads (the server's event loop)
+        keep running meanwhile."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or a model folder with tokenizer.json")
+            _check_text(prompt, "prompt")
+            limit = self.max_prompt_chars
+            if limit is not None and len(prompt) > limit:
+                raise ValueError(f"the prompt has {len(prompt)} characters, more than the {self.max_model_len}-token "
+                                 f"context can hold (at most {limit} characters)")
+            batch = getattr(getattr(self.tokenizer, "tok", None), "encode_batch", None)
+            if batch is not None and len(prompt) > _LONG_TEXT:
+                return batch([prompt], add_special_tokens=False)[0].ids
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
@@ -103,6 +145,12 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        for s in params.stop:
+            _check_text(s, "stop")
+        if not isinstance(params.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab
+                for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids in [0, {vocab})")
         return ids
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -1,11 +1,16 @@
 """OpenAI request parsing and response/chunk formatting for the server (no I/O here).
 
-Errors are ``RequestError(message, param, code)``; the server answers them with HTTP 400 and
-``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``.
+Errors are ``RequestError(message, param, code, status=400)``; the server answers them with that
+status and ``{"error": {"message", "type", "param", "code"}}``.
+
+A request field is either implemented (``FIELDS``), accepted without effect (``IGNORED``), accepted
+only at its no-op value (``NO_OP``: ``echo: false``, ``logit_bias: {}``, ``best_of`` = n, …), or
+refused with a 400 naming it, so that a client never silently gets something else than it asked for.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -14,16 +19,59 @@ from arbor.engine.sequence import Completion
 
 KNOBS = {"n": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
          "max_tokens": int, "ignore_eos": bool, "stop_token_ids": list}
+_COMMON = {"model", "stop", "logprobs", "stream", "stream_options", *KNOBS}
+FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
+IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+NO_OP = {"echo": lambda v, b: v is False, "best_of": lambda v, b: v == (b.get("n") or 1),
+         "presence_penalty": lambda v, b: v == 0, "frequency_penalty": lambda v, b: v == 0,
+         "repetition_penalty": lambda v, b: v == 1, "logit_bias": lambda v, b: v == {},
+         "suffix": lambda v, b: v == "", "tools": lambda v, b: v == [], "functions": lambda v, b: v == [],
+         "tool_choice": lambda v, b: v == "none", "function_call": lambda v, b: v == "none",
+         "response_format": lambda v, b: v == {"type": "text"}}
+_INT64 = 1 << 63            # integer knobs end up in int64 tensors and generators (seed + sample index)
+LOGPROB_FLOOR = -9999.0     # JSON has no -inf: a token outside the sampled support reads as this
 
 
 class RequestError(ValueError):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        self.message, self.param, self.code, self.status = message, param, code, status
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """400 for a field this server does not implement (at a value that would change the result)."""
+    for name, value in body.items():
+        if value is None or name in FIELDS[chat] or name in IGNORED:
+            continue
+        no_op = NO_OP.get(name)
+        if no_op is not None:
+            try:
+                if no_op(value, body):
+                    continue
+            except TypeError:
+                pass
+        hint = " (only at its default value)" if no_op is not None else ""
+        raise RequestError(f"'{name}' is not supported by this server{hint}", name, "unsupported_parameter")
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """→ (stream, include_usage); ``stream`` must be a boolean, ``stream_options`` needs ``stream``."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(opts, dict) or not set(opts) <= {"include_usage"} or not isinstance(
+            opts.get("include_usage", False), bool):
+        raise RequestError("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    return True, opts.get("include_usage", False)
 
 
 def sampling_params(body: dict, chat: bool) -> SamplingParams:
@@ -38,7 +86,12 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise RequestError(f"'{name}' must be of type {kind.__name__}", name)
+        if (kind is float and not math.isfinite(value)) or (kind is int and not -_INT64 <= value < _INT64 - 1024):
+            raise RequestError(f"'{name}' is out of range", name)
         kw[name] = value
+    if kw.get("stop_token_ids") is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in kw["stop_token_ids"]):
+        raise RequestError("'stop_token_ids' must be a list of integers", "stop_token_ids")
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -46,6 +99,8 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("'stop' must be a string or a list of non-empty strings", "stop")
         kw["stop"] = stop
+    if chat and not isinstance(body.get("logprobs", False) or False, bool):
+        raise RequestError("'logprobs' must be a boolean", "logprobs")
     lp = body.get("top_logprobs" if chat else "logprobs")
     if chat and not body.get("logprobs"):
         lp = None
@@ -61,20 +116,38 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
 def completion_prompts(body: dict) -> list:
     """→ a list of prompts, each text or token ids."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+    if isinstance(prompt, str) or _is_ids(prompt):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and all(
-            isinstance(t, int) for t in p)) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         return prompt
     raise RequestError("'prompt' must be a string, a list of token ids, or a non-empty list of those", "prompt")
 
 
+def _is_ids(p) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
 def chat_messages(body: dict) -> list[dict]:
+    """→ [{role, content}] with ``content`` a string: a list of text parts is joined with newlines."""
     msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-        raise RequestError("'messages' must be a non-empty list of {role, content} strings", "messages")
-    return msgs
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                         for m in msgs):
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    return [{"role": m["role"], "content": _content(m.get("content"))} for m in msgs]
+
+
+def _content(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        for part in content:
+            if part.get("type") != "text":
+                raise RequestError(f"only text content parts are supported, got type {part.get('type')!r}",
+                                   "messages")
+            if not isinstance(part.get("text"), str):
+                raise RequestError("a text content part needs a string 'text'", "messages")
+        return "\n".join(p["text"] for p in content)
+    raise RequestError("a message's 'content' must be a string or a list of text parts", "messages")
 
 
 def new_id(prefix: str) -> str:
@@ -82,14 +155,20 @@ def new_id(prefix: str) -> str:
 
 
 def _logprobs(c: Completion, start: int, tokenizer, chat: bool):
-    ids, lps = c.token_ids[start:], c.logprobs[start:]
+    ids, lps = c.token_ids[start:], [_finite(v) for v in c.logprobs[start:]]
     tops = (c.top_logprobs or [None] * len(c.token_ids))[start:]
     name = (lambda t: tokenizer.decode([t])) if tokenizer is not None else str
     if chat:
         return {"content": [{"token": name(t), "logprob": lp, "top_logprobs": [
-            {"token": name(k), "logprob": v} for k, v in (top or {}).items()]} for t, lp, top in zip(ids, lps, tops)]}
+            {"token": name(k), "logprob": _finite(v)} for k, v in (top or {}).items()]}
+            for t, lp, top in zip(ids, lps, tops)]}
     return {"tokens": [name(t) for t in ids], "token_logprobs": lps,
-            "top_logprobs": None if c.top_logprobs is None else [{name(k): v for k, v in top.items()} for top in tops]}
+            "top_logprobs": None if c.top_logprobs is None else [{name(k): _finite(v) for k, v in top.items()}
+                                                                 for top in tops]}
+
+
+def _finite(v: float) -> float:
+    return v if math.isfinite(v) else LOGPROB_FLOOR
 
 
 def choice(c: Completion, index: int, chat: bool, tokenizer, want_logprobs: bool) -> dict:
@@ -105,6 +184,12 @@ def choice(c: Completion, index: int, chat: bool, tokenizer, want_logprobs: bool
 def response(rid: str, model: str, chat: bool, choices: list[dict], usage: dict) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage: dict) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": usage}
 
 
 def chunk(rid: str, model: str, chat: bool, index: int, text: str, new_ids: list[int], finish: str | None,

@@ -140,6 +140,14 @@ class RankFront:
         self._ids = count()
         self._last = time.monotonic()
 
+    def check_request(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's ids, or ValueError: rank 0's ``LLMEngine.check_request`` at the agreed context length."""
+        return self.engine.check_request(prompt, params)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        return self.engine.max_prompt_chars
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate here (ValueError on a bad request) and queue for the least loaded rank."""
         params = params or SamplingParams()
@@ -218,12 +226,13 @@ def _orphaned() -> bool:
     return bool(launcher) and os.getppid() != int(launcher)
 
 
-def _serve_front(front: RankFront, host: str, port: int, model_name: str) -> None:
+def _serve_front(front: RankFront, host: str, port: int, model_name: str, server_config=None) -> None:
     import uvicorn
 
     from arbor.engine.async_engine import AsyncLLMEngine
     from arbor.engine.server import build_app
-    server = uvicorn.Server(uvicorn.Config(build_app(AsyncLLMEngine(front), model_name), host=host, port=port))
+    app = build_app(AsyncLLMEngine(front), model_name, server_config)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port))
 
     def on_signal(signum, frame):       # uvicorn re-raises the signals it caught into these after it stops
         server.should_exit = True
@@ -252,7 +261,8 @@ def _serve_front(front: RankFront, host: str, port: int, model_name: str) -> Non
         front.close()
 
 
-def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | None = None) -> None:
+def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | None = None,
+                server_config=None) -> None:
     """This process's part of a multi-rank server; the rank comes from torchrun's environment."""
     from arbor.dist import DistConfig, init_distributed
     from arbor.engine.llm_engine import LLMEngine
@@ -263,7 +273,7 @@ def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | 
     agree_context_length(engine, ctx)
     if ctx.rank == 0:
         print(f"arbor serve: {ctx.world_size} ranks (expert-parallel over {ctx.ep_size})", flush=True)
-        _serve_front(RankFront(engine, ctx), host, port, model_name or Path(model_dir).name)
+        _serve_front(RankFront(engine, ctx), host, port, model_name or Path(model_dir).name, server_config)
     else:
         worker_loop(engine, ctx)
     # Every rank knows of the stop. Tearing a gloo group down while its peer exits can abort the

@@ -1,24 +1,43 @@
 """OpenAI-compatible HTTP server over one ``AsyncLLMEngine`` (FastAPI + uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` → SSE lines
-``data: {json}`` ending with ``data: [DONE]``; chat chunks carry ``delta``), ``GET /v1/models``,
-``GET /health``, ``POST /update_weights`` ``{"path": safetensors file or HF folder}``.
-Every invalid request gets HTTP 400 with an OpenAI error body; the engine keeps serving.
+``data: {json}`` ending with ``data: [DONE]``; chat chunks carry ``delta``; with
+``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk with no choices
+carries the usage), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
+``POST /update_weights`` ``{"path": safetensors file or HF folder}`` (off unless enabled, and then
+only inside the allowed root). ``ServerConfig`` holds the limits; ``serve`` runs it all.
+
+Invariants:
+- Any client input gets a 4xx with an OpenAI error body, never a 500, and the engine keeps serving.
+  A request is checked whole — every prompt tokenized and checked, the limits on n, prompts and
+  tokens — before any part of it is queued.
+- A request lives in the engine only while its client waits for it: a disconnect, streaming or
+  not (a client's timeout included), aborts it at once.
+- The event loop runs nothing long: ``serve`` steps the engine on its own thread
+  (``ThreadedAsyncLLMEngine``), long prompts are tokenized and big bodies parsed on worker threads
+  with the GIL released or passed around, and a text that cannot fit the context is refused before
+  it is tokenized.
+- Once shutdown has begun (``app.state.draining``) new requests get 503.
 Choices also carry Arbor's ``token_ids``. Streamed text withholds the last ``max(len(stop)) − 1``
 characters until the sample ends, so a stop string is never sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
 from arbor.engine import openai_protocol as oai
 from arbor.engine.async_engine import AsyncLLMEngine
+from arbor.engine.http_io import BearerAuth, JSONOut, SSEResponse, error_response, first_or_disconnect, read_json
 from arbor.engine.openai_protocol import RequestError
+from arbor.engine.server_config import ServerConfig
+
+OFF_LOOP_CHARS = 4096       # prompts at least this long are checked and tokenized on a worker thread
 
 
 def load_named_tensors(path: str, model) -> dict:
@@ -35,21 +54,28 @@ def load_named_tensors(path: str, model) -> dict:
     return from_hf_tensors(tensors, model)
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
-    app = FastAPI(title="Arbor")
+def _param(e: ValueError) -> str | None:
+    text = str(e)
+    return "stop_token_ids" if "stop_token_ids" in text else "stop" if text.startswith("stop") else "prompt"
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    cfg = config or ServerConfig()
+    app = FastAPI(title="Arbor", default_response_class=JSONOut)
+    app.state.draining = False
+    if cfg.api_key:
+        app.add_middleware(BearerAuth, api_key=cfg.api_key)
     tok = engine.tokenizer
+    card = {"id": model_name, "object": "model", "owned_by": "arbor", "max_model_len": engine.engine.max_model_len}
 
     @app.exception_handler(RequestError)
-    async def bad_request(_, e: RequestError):
-        return JSONResponse(e.body(), status_code=400)
+    async def request_error(_, e: RequestError):
+        return error_response(e)
 
     async def read_body(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
+        if app.state.draining:
+            raise RequestError("the server is shutting down", None, "shutting_down", 503)
+        body = await read_json(request, cfg.max_body_bytes)
         if body.get("model", model_name) != model_name:
             raise RequestError(f"the model '{body.get('model')}' does not exist; this server serves '{model_name}'",
                                "model", "model_not_found")
@@ -61,47 +87,90 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "arbor",
-                                            "max_model_len": engine.engine.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise RequestError(f"the model '{model_id}' does not exist; this server serves '{model_name}'",
+                               "model", "model_not_found", 404)
+        return card
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
         body = await read_body(request)
-        if not isinstance(body.get("path"), str):
-            raise RequestError("'path' (a safetensors file or HF folder) is required", "path")
+        target = cfg.weights_path(body.get("path"))
         try:
-            tensors = load_named_tensors(body["path"], engine.engine.model)
-            seconds = engine.update_weights(tensors)
-        except (ValueError, KeyError) as e:
-            raise RequestError(str(e), "path") from None
+            tensors = await asyncio.to_thread(load_named_tensors, str(target), engine.engine.model)
+            seconds = await engine.run_between_steps(lambda: engine.engine.update_weights(tensors))
+        except RequestError:
+            raise
+        except Exception as e:      # unreadable, not safetensors, wrong names or shapes: the client's path
+            raise RequestError(f"cannot update the weights from '{body['path']}': {e}", "path") from None
         return {"status": "ok", "seconds": seconds, "num_tensors": len(tensors)}
 
-    def submit(prompts, params) -> list[str]:
-        rids = []
-        try:
-            for p in prompts:
-                rids.append(engine.add_request(p, params))
-        except ValueError as e:
-            for rid in rids:
-                engine.abort(rid)
-            raise RequestError(str(e), "prompt" if "prompt" in str(e) or "token" in str(e) else None) from None
-        return rids
+    def check_all(prompts, params, what: str = "prompt") -> list[list[int]]:
+        """Every prompt's token ids, or RequestError naming the first bad one (nothing is queued)."""
+        out = []
+        for i, p in enumerate(prompts):
+            try:
+                out.append(engine.check_request(p, params))
+            except ValueError as e:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                param = _param(e)
+                raise RequestError(where + str(e), what if param == "prompt" else param) from None
+        return out
 
-    async def handle(body: dict, chat: bool):
+    def render_chat(messages, params) -> list[list[int]]:
+        limit = engine.max_prompt_chars
+        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
+        if limit is not None and chars > limit:
+            raise RequestError(f"the messages hold {chars} characters, more than the {engine.engine.max_model_len}-"
+                               f"token context can hold (at most {limit})", "messages")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:      # the template refused these messages (roles, order, …)
+            raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
+        return check_all([text], params, "messages")
+
+    async def prepare(body: dict, chat: bool):
+        """→ (SamplingParams, prompts' token ids, stream, include_usage, want log-probs)."""
+        oai.check_fields(body, chat)
+        stream, include_usage = oai.stream_flags(body)
         params = oai.sampling_params(body, chat)
         if chat:
             if tok is None:
                 raise RequestError("chat needs a tokenizer; this model folder has none", "messages")
-            prompts = [tok.apply_chat_template(oai.chat_messages(body), add_generation_prompt=True)]
+            messages = oai.chat_messages(body)
+            cfg.check_size(params, 1, engine.engine.max_model_len)
+            size, work = sum(len(m["content"]) for m in messages), lambda: render_chat(messages, params)
         else:
             prompts = oai.completion_prompts(body)
+            cfg.check_size(params, len(prompts), engine.engine.max_model_len)
+            size, work = sum(len(p) for p in prompts), lambda: check_all(prompts, params)
         if params.stop and tok is None:
             raise RequestError("stop strings need a tokenizer; this model folder has none", "stop")
+        ids = await asyncio.to_thread(work) if size >= OFF_LOOP_CHARS else work()
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        rids = submit(prompts, params)
+        return params, ids, stream, include_usage, want_lp
+
+    async def handle(request: Request, chat: bool):
+        body = await read_body(request)
+        params, prompt_ids, stream, include_usage, want_lp = await prepare(body, chat)
+        if app.state.draining:
+            raise RequestError("the server is shutting down", None, "shutting_down", 503)
+        rids = [engine.add_request(ids, params) for ids in prompt_ids]
+        abort = lambda: [engine.abort(r) for r in rids]      # a no-op for finished requests
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
-        if body.get("stream"):
-            return StreamingResponse(sse(rids, rid, chat, params, want_lp), media_type="text/event-stream")
+        if stream:
+            return SSEResponse(sse(rids, rid, chat, params, want_lp, include_usage), on_close=abort)
+        try:
+            result = await first_or_disconnect(collect(rids, rid, chat, params, want_lp), request.receive)
+        finally:
+            abort()
+        return Response(status_code=499) if result is None else result
+
+    async def collect(rids, rid, chat, params, want_lp) -> dict:
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, r in enumerate(rids):
             last = {}
@@ -120,36 +189,40 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         text = tok.decode(out.token_ids) if tok is not None else ""
         return text[:max(0, len(text) - hold)]
 
-    async def sse(rids, rid, chat, params, want_lp):
+    async def sse(rids, rid, chat, params, want_lp, include_usage):
         hold = max((len(s) for s in params.stop), default=1) - 1
-        try:
-            for i, r in enumerate(rids):
-                sent_ids, sent_text = {}, {}
-                if chat:
-                    for j in range(params.n):
-                        yield _line(oai.chunk(rid, model_name, chat, i * params.n + j, "", [], None, role=True))
-                async for out in engine.stream(r):
-                    j, index = out.index, i * params.n + out.index
-                    start = sent_ids.get(j, 0)
-                    text = visible_text(out, hold)
-                    delta = text[len(sent_text.get(j, "")):]
-                    lp = oai._logprobs(out, start, tok, chat) if want_lp else None
-                    yield _line(oai.chunk(rid, model_name, chat, index, delta, out.token_ids[start:],
-                                          out.finish_reason, lp))
-                    sent_ids[j], sent_text[j] = len(out.token_ids), text
-            yield "data: [DONE]\n\n"
-        finally:
-            for r in rids:
-                if r in engine.engine.requests:
-                    engine.abort(r)
+        line = (lambda obj: _line({**obj, "usage": None})) if include_usage else _line
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        for i, r in enumerate(rids):
+            sent_ids, sent_text, counted = {}, {}, False
+            if chat:
+                for j in range(params.n):
+                    yield line(oai.chunk(rid, model_name, chat, i * params.n + j, "", [], None, role=True))
+            async for out in engine.stream(r):
+                j, index = out.index, i * params.n + out.index
+                start = sent_ids.get(j, 0)
+                text = visible_text(out, hold)
+                delta = text[len(sent_text.get(j, "")):]
+                lp = oai._logprobs(out, start, tok, chat) if want_lp else None
+                yield line(oai.chunk(rid, model_name, chat, index, delta, out.token_ids[start:], out.finish_reason, lp))
+                sent_ids[j], sent_text[j] = len(out.token_ids), text
+                if out.finished:
+                    usage["completion_tokens"] += len(out.token_ids)
+                if not counted:
+                    usage["prompt_tokens"] += len(out.prompt_token_ids)
+                    counted = True
+        if include_usage:
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            yield _line(oai.usage_chunk(rid, model_name, chat, usage))
+        yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(await read_body(request), chat=False)
+        return await handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(await read_body(request), chat=True)
+        return await handle(request, chat=True)
 
     return app
 
@@ -158,7 +231,12 @@ def _line(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None, model_name: str | None = None):
-    import uvicorn
-    engine = AsyncLLMEngine(model_dir, config)
-    uvicorn.run(build_app(engine, model_name or Path(model_dir).name), host=host, port=port)
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None, model_name: str | None = None,
+          server_config: ServerConfig | None = None) -> None:
+    """Serve ``model_dir`` until SIGTERM / SIGINT (see ``arbor.engine.shutdown``)."""
+    from arbor.engine.shutdown import run_server
+    from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
+    server_config = server_config or ServerConfig()
+    engine = ThreadedAsyncLLMEngine(model_dir, config)
+    app = build_app(engine, model_name or Path(model_dir).name, server_config)
+    run_server(app, engine, host, port, server_config.shutdown_grace_s)

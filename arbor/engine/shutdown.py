@@ -1,0 +1,50 @@
+"""Graceful shutdown of ``arbor serve`` (one process, uvicorn).
+
+First SIGTERM or SIGINT: the listening socket closes, new requests on open connections get 503
+(``app.state.draining``), requests in flight keep generating for ``grace`` seconds and are then
+aborted — a stream ends with ``finish_reason: "abort"`` and ``[DONE]``, a plain request returns
+what it has — and the process exits once every response has ended (uvicorn cancels any handler
+left ``grace + 2`` s after the signal, which aborts its request too). A second signal aborts every
+request at once and exits without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import uvicorn
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app, engine, grace: float):
+        super().__init__(config)
+        self.app, self.engine, self.grace = app, engine, grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """Runs as the signal handler, on the loop's thread between two of its callbacks."""
+        loop, name = self._loop, signal.Signals(sig).name
+        if self.should_exit:
+            self.force_exit = True
+            print(f"arbor serve: {name} again: aborting every request and exiting now", file=sys.stderr, flush=True)
+            if loop is not None:
+                loop.call_soon_threadsafe(self.engine.abort_all)
+            return
+        self.should_exit = True
+        self.app.state.draining = True
+        print(f"arbor serve: {name}: taking no new requests; the {self.engine.num_requests()} in flight are aborted "
+              f"in {self.grace:g} s ({name} again to exit now)", file=sys.stderr, flush=True)
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.call_later, self.grace, self.engine.abort_all)
+
+
+def run_server(app, engine, host: str, port: int, grace: float, log_level: str = "info") -> None:
+    """Serve ``app`` (over ``engine``, a ``ThreadedAsyncLLMEngine``) until a signal ends it, as above."""
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace + 2, log_level=log_level)
+    GracefulServer(config, app, engine, grace).run()
