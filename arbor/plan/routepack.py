@@ -118,15 +118,22 @@ def grid_start(rows: list[list[int]], lengths: np.ndarray, attn: np.ndarray, dp_
     return cell_of
 
 
+def place(samples: list[Sample], ep_size: int, current: list[list[int]] | None = None) -> list[pl.Placement]:
+    """Step 1: a balanced placement per MoE layer from the samples' aggregate demand."""
+    d = demand(samples)
+    return [pl.balanced(d[l], ep_size, None if current is None else current[l]) for l in range(len(d))]
+
+
 def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int, cost: CostModel | None = None,
-              current: list[list[int]] | None = None, anneal_cfg: AnnealConfig | None = None) -> Plan:
+              current: list[list[int]] | None = None, anneal_cfg: AnnealConfig | None = None,
+              placements: list[pl.Placement] | None = None) -> Plan:
     """The RoutePack plan of one window (see module docstring). ``current``: each MoE layer's present
-    ``rank_of`` (kept where it costs nothing)."""
+    ``rank_of`` (kept where it costs nothing). ``placements``: use these (e.g. one placement for a
+    window of several steps, each step packed and laid out on its own) instead of step 1."""
     t0 = time.perf_counter()
     check_sizes(samples, ep_size, dp_size, token_cap)
     cost = cost or CostModel.load()
-    d = demand(samples)
-    places = [pl.balanced(d[l], ep_size, None if current is None else current[l]) for l in range(len(d))]
+    places = placements if placements is not None else place(samples, ep_size, current)
     t1 = time.perf_counter()
     packing = pack_rows([s.length for s in samples], token_cap)
     t2 = time.perf_counter()
@@ -136,8 +143,7 @@ def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int,
     best, stats = anneal(prob, start, anneal_cfg)
     check_layout(prob, best)
     t3 = time.perf_counter()
-    stats.update(placement_s=t1 - t0, packing_s=t2 - t1, layout_s=t3 - t2, planner_s=t3 - t0,
-                 max_over_mean=[p.max_over_mean for p in places], max_over_bound=[p.max_over_bound for p in places])
+    stats.update(placement_s=t1 - t0, packing_s=t2 - t1, layout_s=t3 - t2, planner_s=t3 - t0)
     return Plan("routepack", cells_of(best, dp_size, slots), places, energy(prob, best), packing, stats)
 
 

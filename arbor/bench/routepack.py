@@ -1,0 +1,330 @@
+"""RoutePack vs token balancing and Karmarkar–Karp + static experts: planner and 2-rank EP training (``arbor bench routepack``).
+
+Traces (every sample's replayed expert ids per MoE layer and token):
+- ``synthetic``: Zipf-skewed expert popularity varying by layer, topic-tilted per sample, long-tailed
+  (Pareto) lengths (``arbor.plan.traces``);
+- ``recorded``: rollouts of the bench's MoE model (random weights from fixed seeds): the engine
+  samples completions of random prompts (long-tailed prompt and completion lengths), then one
+  forward per sequence records every token's top-k experts (what routing replay would force).
+
+(a) Planner only, per window of ``--samples`` samples: the modeled step time (``arbor.plan.cost``,
+fitted by ``arbor plan calibrate`` or read from ``--cost-file``) of RoutePack, token balancing and
+KK + static contiguous experts; the rate of windows whose row count is certified; planner seconds.
+
+(b) Measured: 2 ranks × 1 thread, EP 2 with DP attention on the same ranks (``routepack_worker``),
+training steps on both trace kinds; per window of ``--window-steps`` steps RoutePack places experts
+once (from the window's demand) and packs and lays out every step; its migrations (weights + AdamW
+moments) are timed apart and amortised over the window in "incl. migration". A step's time is the
+slowest rank's; tokens/s = Σ tokens ÷ Σ median step time; methods run interleaved.
+
+Targets: measured tokens/s RoutePack ÷ KK + static ≥ 1.10 on the synthetic skewed traces; ≥ 95 %
+of planned windows certified; planner time per window ≤ 10 % of a measured training step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from arbor.bench.common import median, print_table, write_result
+from arbor.bench.ep import cpu_seconds, model_shape
+from arbor.plan import AnnealConfig, CostModel, Sample, kk_workload, routepack, token_balance
+from arbor.plan.routepack import place
+from arbor.plan.traces import synthetic
+
+METHODS = ["token balance", "KK + static", "RoutePack"]
+
+
+def record_traces(shape: dict, windows: int, samples: int, seed: int, max_len: int) -> list[list[np.ndarray]]:
+    """Rollouts of the bench model (one process) → per window, each sample's expert ids [Lm, n, k]."""
+    import torch
+
+    from arbor.bench.ep_worker import build_model
+    from arbor.dist import DistContext
+    from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+    from arbor.models import VarlenAttention
+    from arbor.plan.traces import lengths
+    model = build_model(shape, DistContext.single(), torch.device("cpu")).eval()
+    rng = np.random.default_rng(seed)
+    n = windows * samples
+    gen_len = lengths(n, rng, 4, 64, 1.5)
+    prompt_len = np.maximum(4, np.minimum(lengths(n, rng, 24, max_len, 1.3), max_len - gen_len))
+    prompts = [rng.integers(0, shape["vocab_size"], int(p)).tolist() for p in prompt_len]
+    engine = LLMEngine(model, EngineConfig(max_model_len=max_len + 16, max_num_seqs=64, seed=seed,
+                                           num_blocks=64 * (max_len // 16 + 2)))
+    params = [SamplingParams(temperature=1.0, max_tokens=int(g), ignore_eos=True, seed=seed + i)
+              for i, g in enumerate(gen_len)]
+    seqs = [p + c.token_ids for p, c in zip(prompts, engine.generate(prompts, params))]
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            routed = model(torch.tensor(s), VarlenAttention.from_lengths([len(s)]), return_routing=True).routed_experts
+            out.append(routed.numpy().astype(np.int64))
+    return [out[w * samples:(w + 1) * samples] for w in range(windows)]
+
+
+def synthetic_windows(shape: dict, windows: int, samples: int, seed: int, max_len: int) -> list[list[np.ndarray]]:
+    """Windows of one run: the base popularity is shared, each window draws its own samples."""
+    moe_layers, E, k = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
+    first, pop = synthetic(samples, E, moe_layers, k, seed=seed, max_len=max_len)
+    return [first] + [synthetic(samples, E, moe_layers, k, seed=seed + w, max_len=max_len, popularity=pop)[0]
+                      for w in range(1, windows)]
+
+
+def plan_all(window: list[np.ndarray], E: int, cap: int, cost: CostModel, anneal: AnnealConfig, placements=None):
+    samples = [Sample.from_ids(x, E) for x in window]
+    out, secs = {}, {}
+    for name, fn in (("token balance", lambda: token_balance(samples, 2, 2, cap, cost)),
+                     ("KK + static", lambda: kk_workload(samples, 2, 2, cap, cost)),
+                     ("RoutePack", lambda: routepack(samples, 2, 2, cap, cost, anneal_cfg=anneal,
+                                                     placements=placements))):
+        t0 = time.perf_counter()
+        out[name] = fn()
+        secs[name] = time.perf_counter() - t0
+    return out, secs
+
+
+def planner_only(kind: str, windows, E: int, cap: int, cost: CostModel, anneal: AnnealConfig) -> dict:
+    rows = []
+    for w in windows:
+        plans, secs = plan_all(w, E, cap, cost, anneal)
+        rp = plans["RoutePack"]
+        rows.append({"energy": {m: plans[m].energy for m in METHODS}, "planner_s": secs,
+                     "certified": rp.packing.certified, "gap": rp.packing.gap, "rows": len(rp.packing.rows),
+                     "bound": rp.packing.bound, "slots": {m: plans[m].slots for m in METHODS},
+                     "tokens": int(sum(x.shape[1] for x in w)), "ep_peak_static":
+                         float(np.mean([p.max_over_mean for p in plans["KK + static"].placements])),
+                     "ep_peak_routepack": float(np.mean([p.max_over_mean for p in rp.placements])),
+                     "ep_peak_over_bound": float(np.mean([p.max_over_bound for p in rp.placements]))})
+    med = {m: median([r["energy"][m] for r in rows]) for m in METHODS}
+    return {"kind": kind, "windows": rows, "median_energy_s": med,
+            "kk_over_routepack": median([r["energy"]["KK + static"] / r["energy"]["RoutePack"] for r in rows]),
+            "token_over_routepack": median([r["energy"]["token balance"] / r["energy"]["RoutePack"] for r in rows]),
+            "certified_rate": float(np.mean([r["certified"] for r in rows])),
+            "planner_s": {m: median([r["planner_s"][m] for r in rows]) for m in METHODS},
+            "planner_s_max": max(r["planner_s"]["RoutePack"] for r in rows)}
+
+
+def measured_plans(steps: list[list[np.ndarray]], window_steps: int, E: int, cap: int, cost: CostModel,
+                   anneal: AnnealConfig) -> tuple[dict, list[dict]]:
+    """Plans for every step; RoutePack's placement is fixed per window of ``window_steps`` steps."""
+    plans, info = {m: [] for m in METHODS}, []
+    for start in range(0, len(steps), window_steps):
+        window = steps[start:start + window_steps]
+        places = place([Sample.from_ids(x, E) for step in window for x in step], 2)
+        for step in window:
+            p, secs = plan_all(step, E, cap, cost, anneal, places)
+            for m in METHODS:
+                plans[m].append(p[m])
+            info.append({"energy": {m: p[m].energy for m in METHODS}, "planner_s": secs["RoutePack"],
+                         "certified": p["RoutePack"].packing.certified, "window": start // window_steps})
+    return plans, info
+
+
+def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmup: int, timeout_s: float) -> dict:
+    from arbor.dist.launch import launch
+    from arbor.bench.routepack_worker import MARK
+    samples = [x for step in steps for x in step]
+    offsets = np.cumsum([0] + [x.shape[1] for x in samples])
+    step_ids, k = [], 0
+    for step in steps:
+        step_ids.append(list(range(k, k + len(step))))
+        k += len(step)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(Path(tmp) / "traces.npz", ids=np.concatenate(samples, 1), offsets=offsets)
+        spec = {"shape": shape, "traces": str(Path(tmp) / "traces.npz"), "methods": METHODS, "repeats": repeats,
+                "warmup": warmup, "timeout_s": min(300.0, timeout_s),
+                "steps": [{"samples": ids} for ids in step_ids],
+                "plans": {m: [{"cells": [[[step_ids[t][i] for i in cell] for cell in rank] for rank in p.cells],
+                               "placements": [{"rank_of": q.rank_of, "slot_of": q.slot_of} for q in p.placements]}
+                              for t, p in enumerate(plans[m])] for m in METHODS}}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        res = launch([sys.executable, "-m", "arbor.bench.routepack_worker", str(Path(tmp) / "spec.json")], 2, 1,
+                     timeout_s=timeout_s, echo=None)
+        wall, c1 = time.perf_counter() - t0, cpu_seconds()
+    tails = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines[-25:]) for r, lines in enumerate(res.output))
+    if res.returncode:
+        raise RuntimeError(f"bench routepack: measured {kind} failed (exit codes {res.codes})\n{tails}")
+    ranks = []
+    for lines in res.output:
+        found = [line[len(MARK):] for line in lines if line.startswith(MARK)]
+        if not found:
+            raise RuntimeError(f"bench routepack: a rank printed no result\n{tails}")
+        ranks.append(json.loads(found[-1]))
+    others = None if c0 is None or c1 is None else max(0.0, ((c1[0] - c0[0]) - (c1[1] - c0[1])) / wall)
+    print(f"  measured {kind}: 2 ranks x 1 thread done in {wall:.0f} s"
+          + ("" if others is None else f"; other processes kept {others:.2f} cores busy"), flush=True)
+    tokens = [sum(x.shape[1] for x in step) for step in steps]
+    step_s = {m: [median([max(v) for v in zip(*(r["seconds"][m][t] for r in ranks))]) for t in range(len(steps))]
+              for m in METHODS}
+    tps = {m: sum(tokens) / sum(step_s[m]) for m in METHODS}
+    migr = [g for g in ranks[0]["migrations"] if g["to"] == "RoutePack"]
+    mig_s = median([g["seconds"] for g in migr]) if migr else 0.0
+    return {"kind": kind, "tokens_per_step": tokens, "step_s": step_s, "tokens_per_s": tps,
+            "routepack_over_kk": tps["RoutePack"] / tps["KK + static"],
+            "routepack_over_token": tps["RoutePack"] / tps["token balance"],
+            "migration_s": mig_s, "migration_moved": median([g["moved"] for g in migr]) if migr else 0,
+            "migration_bytes_per_rank": median([g["bytes_sent"] for g in migr]) if migr else 0,
+            "other_cpu_cores": others, "wall_s": wall}
+
+
+def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=64, cap=2048, max_len=2048,
+        recorded_windows=4, measure_steps=4, window_steps=2, step_samples=32, repeats=3, warmup=1, seed=0,
+        cost_file=None, anneal=None, timeout_s=1800.0, measure=True) -> dict:
+    shape = shape or model_shape()
+    E = shape["num_experts"]
+    anneal = anneal or AnnealConfig()
+    if cost_file and Path(cost_file).exists():
+        cost = CostModel.load(cost_file)
+    else:
+        import torch
+
+        from arbor.bench.ep_worker import build_model
+        from arbor.dist import DistContext
+        from arbor.train.plan_calibrate import calibrate
+        print("calibrating the cost model on this machine (1 thread) ...", flush=True)
+        cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
+        cost.save(Path(out_dir) / "routepack_cost.json")
+    print(f"cost model: a={cost.a:.3g} s/token, b={cost.b:.3g} s/token², e={cost.e:.3g} s/routed row, "
+          f"c0={cost.c0:.3g} s ({cost.meta.get('file', cost.meta.get('source', 'fitted now'))})", flush=True)
+    traces = {"synthetic": synthetic_windows(shape, windows, samples, seed, max_len)}
+    if recorded_windows:
+        t0 = time.perf_counter()
+        traces["recorded"] = record_traces(shape, recorded_windows, samples, seed, max_len)
+        print(f"recorded {recorded_windows * samples} rollouts in {time.perf_counter() - t0:.0f} s", flush=True)
+    planner = {k: planner_only(k, w, E, cap, cost, anneal) for k, w in traces.items() if w}
+    measured, measured_info = {}, {}
+    if measure:
+        for kind in ("synthetic", "recorded"):
+            if kind == "synthetic":
+                _, pop = synthetic(1, E, shape["num_hidden_layers"], shape["num_experts_per_tok"], seed=seed + 500,
+                                   max_len=max_len)
+                steps = [synthetic(step_samples, E, shape["num_hidden_layers"], shape["num_experts_per_tok"],
+                                   seed=seed + 600 + t, max_len=max_len, popularity=pop)[0] for t in range(measure_steps)]
+            else:
+                steps = record_traces(shape, measure_steps, step_samples, seed + 700, max_len)
+            plans, info = measured_plans(steps, window_steps, E, cap, cost, anneal)
+            measured_info[kind] = info
+            measured[kind] = run_measured(kind, steps, shape, plans, repeats, warmup, timeout_s)
+            measured[kind]["modeled_step_s"] = {m: [i["energy"][m] for i in info] for m in METHODS}
+            measured[kind]["planner_s"] = [i["planner_s"] for i in info]
+            measured[kind]["certified"] = [i["certified"] for i in info]
+    return report(out_dir, shape, cost, planner, measured, dict(
+        windows=windows, samples=samples, cap=cap, max_len=max_len, recorded_windows=recorded_windows,
+        measure_steps=measure_steps, window_steps=window_steps, step_samples=step_samples, repeats=repeats,
+        warmup=warmup, seed=seed, anneal=anneal.__dict__, device=device))
+
+
+def report(out_dir, shape, cost, planner, measured, config) -> dict:
+    certified = [w["certified"] for p in planner.values() for w in p["windows"]]
+    certified += [c for m in measured.values() for c in m["certified"]]
+    rate = float(np.mean(certified)) if certified else 0.0
+    plan_s = [w["planner_s"]["RoutePack"] for p in planner.values() for w in p["windows"]]
+    plan_s += [s for m in measured.values() for s in m["planner_s"]]
+    rp_step = [median(m["step_s"]["RoutePack"]) for m in measured.values()]
+    plan_ratio = max(plan_s) / min(rp_step) if rp_step else None
+    syn = measured.get("synthetic")
+    targets = [
+        {"name": "measured tokens/s, RoutePack / KK + static (synthetic skewed traces, 2 EP ranks)",
+         "value": syn["routepack_over_kk"] if syn else None, "target": ">= 1.10",
+         "met": bool(syn and syn["routepack_over_kk"] >= 1.10)},
+        {"name": "windows with a certified row count", "value": rate, "target": ">= 0.95", "met": rate >= 0.95},
+        {"name": "planner seconds per window (max) / measured RoutePack step seconds (median)", "value": plan_ratio,
+         "target": "<= 0.10", "met": plan_ratio is not None and plan_ratio <= 0.10},
+    ]
+    for kind, p in planner.items():
+        print_table(f"(a) planner only, {kind} traces: {len(p['windows'])} windows of {config['samples']} samples, "
+                    f"token cap {config['cap']}, DP 2 x EP 2; modeled step seconds (median)",
+                    ["method", "modeled step s", "÷ RoutePack", "planner ms (median)"],
+                    [[m, p["median_energy_s"][m], median([w["energy"][m] / w["energy"]["RoutePack"] for w in p["windows"]]),
+                      1e3 * p["planner_s"][m]] for m in METHODS])
+        print(f"  certified windows {100 * p['certified_rate']:.0f} %; EP peak max/mean static "
+              f"{median([w['ep_peak_static'] for w in p['windows']]):.3f} -> RoutePack "
+              f"{median([w['ep_peak_routepack'] for w in p['windows']]):.3f} "
+              f"(÷ lower bound {median([w['ep_peak_over_bound'] for w in p['windows']]):.3f})")
+    for kind, m in measured.items():
+        rows = [[name, m["tokens_per_s"][name], m["tokens_per_s"][name] / m["tokens_per_s"]["KK + static"],
+                 sum(m["modeled_step_s"][name]) / sum(m["modeled_step_s"]["KK + static"]),
+                 sum(m["step_s"][name])] for name in METHODS]
+        amort = sum(m["step_s"]["RoutePack"]) + m["migration_s"] * len(m["step_s"]["RoutePack"]) / config["window_steps"]
+        rows.append(["RoutePack incl. migration", sum(m["tokens_per_step"]) / amort,
+                     sum(m["tokens_per_step"]) / amort / m["tokens_per_s"]["KK + static"], "", amort])
+        m["routepack_incl_migration_over_kk"] = rows[-1][2]
+        print_table(f"(b) measured, {kind} traces: {len(m['tokens_per_step'])} steps of {config['step_samples']} samples "
+                    f"({sum(m['tokens_per_step'])} tokens), 2 ranks x 1 thread, EP 2, median of {config['repeats']}",
+                    ["method", "tokens/s", "÷ KK + static", "modeled ÷ KK", "Σ step s"], rows)
+        print(f"  RoutePack migration: {m['migration_s']:.3f} s per window (median {m['migration_moved']} experts moved, "
+              f"{m['migration_bytes_per_rank'] / 2**20:.0f} MiB sent per rank), amortised over "
+              f"{config['window_steps']} steps")
+    print_table("targets", ["target", "value", "wanted", "met"],
+                [[t["name"], t["value"], t["target"], "yes" if t["met"] else "NO"] for t in targets])
+    busy = {k: m["other_cpu_cores"] for k, m in measured.items()}
+    if any(v is not None and v > 0.1 for v in busy.values()):
+        print("note: other processes kept CPU cores busy during the measured runs ("
+              + ", ".join(f"{k} {v:.2f}" for k, v in busy.items() if v is not None) + " cores): times are unreliable")
+    result = {"config": {**config, "shape": shape}, "cost_model": {"a": cost.a, "b": cost.b, "e": cost.e,
+                                                                  "c0": cost.c0, "meta": cost.meta},
+              "planner": planner, "measured": measured, "certified_rate": rate, "other_cpu_cores": busy,
+              "targets": targets}
+
+    def plot(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        x = np.arange(len(METHODS))
+        for i, (kind, p) in enumerate(planner.items()):
+            axes[0].bar(x + (i - 0.5) * 0.4, [p["median_energy_s"][m] for m in METHODS], 0.4, label=kind)
+        axes[0].set_xticks(x, METHODS, fontsize=8)
+        axes[0].set_ylabel("modeled step s (median window)")
+        axes[0].set_title("(a) planner only")
+        axes[0].legend(fontsize=7)
+        for i, (kind, m) in enumerate(measured.items()):
+            axes[1].bar(x + (i - 0.5) * 0.4, [m["tokens_per_s"][n] for n in METHODS], 0.4, label=kind)
+        axes[1].set_xticks(x, METHODS, fontsize=8)
+        axes[1].set_ylabel("tokens/s (2 EP ranks)")
+        axes[1].set_title("(b) measured training steps")
+        if measured:
+            axes[1].legend(fontsize=7)
+        return fig
+
+    write_result(out_dir, "routepack", result, plot)
+    return result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-intermediate", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--windows", type=int, default=20, help="synthetic windows planned in (a)")
+    p.add_argument("--samples", type=int, default=64, help="samples per planned window in (a)")
+    p.add_argument("--recorded-windows", type=int, default=4, help="recorded-rollout windows planned in (a)")
+    p.add_argument("--token-cap", type=int, default=2048, help="tokens per row (micro-batch)")
+    p.add_argument("--max-len", type=int, default=2048, help="longest sample")
+    p.add_argument("--measure-steps", type=int, default=4, help="training steps per trace kind in (b)")
+    p.add_argument("--window-steps", type=int, default=2, help="steps sharing one RoutePack placement in (b)")
+    p.add_argument("--step-samples", type=int, default=32, help="samples per training step in (b)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--population", type=int, default=16)
+    p.add_argument("--levels", type=int, default=12)
+    p.add_argument("--sweeps", type=int, default=48)
+    p.add_argument("--cost-file", help="cost model JSON (arbor plan calibrate); default: calibrate now")
+    p.add_argument("--no-measure", action="store_true", help="planner only (skip (b))")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed to each launch of the ranks")
+
+
+def main(args) -> None:
+    shape = model_shape(args.hidden, args.experts, args.top_k, args.moe_intermediate, args.layers, args.vocab)
+    run(out_dir=args.out, device=args.device, shape=shape, windows=args.windows, samples=args.samples,
+        cap=args.token_cap, max_len=args.max_len, recorded_windows=args.recorded_windows,
+        measure_steps=args.measure_steps, window_steps=args.window_steps, step_samples=args.step_samples,
+        repeats=args.repeats, warmup=args.warmup, cost_file=args.cost_file, timeout_s=args.timeout,
+        anneal=AnnealConfig(population=args.population, levels=args.levels, sweeps=args.sweeps),
+        measure=not args.no_measure)

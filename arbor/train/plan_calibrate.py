@@ -1,0 +1,95 @@
+"""``arbor plan calibrate``: measure this machine and fit the planner's cost model (``arbor.plan.cost``).
+
+Two measurements on one process (``threads`` intra-op threads: one per EP rank is what the 2-rank
+CPU runs use), each the median of ``repeats`` timed calls after one warm-up:
+
+1. one expert, forward + backward of R rows (R = 64 … 1024) → e, the seconds per routed row;
+2. the whole model, forward + backward (cross-entropy) of packed batches of equal-length sequences
+   (lengths 32 … 2048, 512 to 2048 tokens), routing replayed uniformly over the experts so that each
+   MoE layer computes k copies of every token → c0, a, b after subtracting e·layers·k·Σn.
+
+The fit (non-negative least squares) is written as JSON (``CostModel.save``) with the shape, the
+threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from arbor.plan.cost import CostModel, fit
+
+BATCHES = [(32, 16), (64, 16), (128, 8), (256, 4), (512, 2), (1024, 1), (128, 4), (512, 1), (2048, 1), (256, 8)]
+ROWS = [64, 128, 256, 512, 1024]
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_expert(model, rows: list[int], repeats: int) -> list[float]:
+    from arbor.models.moe import Experts
+    D, I = model.config.hidden_size, model.config.moe_intermediate_size
+    experts = Experts(1, D, I)
+    out = []
+    for R in rows:
+        x = torch.randn(R, D, requires_grad=True)
+
+        def run():
+            experts.zero_grad(set_to_none=True)
+            experts.grouped([x]).square().mean().backward()
+        out.append(_median_time(run, repeats))
+    return out
+
+
+def measure_model(model, batches, repeats: int, seed: int = 0) -> list[dict]:
+    from arbor.models import VarlenAttention
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    Lm, k, E = len(cfg.moe_layers), cfg.num_experts_per_tok, cfg.num_experts
+    runs = []
+    for n, count in batches:
+        T = n * count
+        ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+        labels = torch.cat([ids[1:], ids[:1]])
+        # uniform routing: token t's j-th copy goes to expert (t·k + j + layer) mod E (k distinct experts)
+        base = (torch.arange(T)[:, None] * k + torch.arange(k)[None, :])
+        routed = torch.stack([(base + layer) % E for layer in range(Lm)])
+        attn = VarlenAttention.from_lengths([n] * count)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            logits = model.logits(model(ids, attn, routed_experts=routed).hidden)
+            F.cross_entropy(logits, labels).backward()
+        runs.append({"lengths": [n] * count, "seconds": _median_time(run, repeats)})
+    return runs
+
+
+def calibrate(model, repeats: int = 3, threads: int = 1, batches=None, rows=None) -> CostModel:
+    """Measure (see module docstring) and fit → the cost model (not yet saved)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model.train()
+        rows = rows or ROWS
+        expert_s = measure_expert(model, rows, repeats)
+        runs = measure_model(model, batches or BATCHES, repeats)
+    finally:
+        torch.set_num_threads(old)
+    cfg = model.config
+    meta = {"threads": threads, "repeats": repeats, "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "shape": {k: getattr(cfg, k) for k in (
+                "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "num_attention_heads", "vocab_size")},
+            "expert_rows": rows, "expert_seconds": expert_s, "model_runs": runs}
+    return fit(rows, expert_s, runs, len(cfg.moe_layers), cfg.num_experts_per_tok, meta)

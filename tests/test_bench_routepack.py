@@ -1,0 +1,30 @@
+"""``arbor plan calibrate`` and ``arbor bench routepack`` end to end on a tiny MoE (ranks in child processes)."""
+
+import json
+
+from arbor.cli import main
+
+TINY = ["--hidden", "64", "--experts", "4", "--moe-intermediate", "64", "--layers", "2", "--vocab", "256"]
+
+
+def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
+    cost = tmp_path / "cost.json"
+    assert main(["plan", "calibrate", *TINY, "--repeats", "1", "--out", str(cost)]) in (0, None)
+    c = json.loads(cost.read_text())
+    assert all(c[k] >= 0 for k in ("a", "b", "e", "c0")) and c["meta"]["shape"]["num_experts"] == 4
+    assert main(["bench", "routepack", "--out", str(tmp_path), *TINY, "--windows", "3", "--samples", "16",
+                 "--recorded-windows", "1", "--token-cap", "256", "--max-len", "256", "--measure-steps", "2",
+                 "--window-steps", "1", "--step-samples", "8", "--repeats", "1", "--warmup", "0", "--population", "4",
+                 "--levels", "3", "--sweeps", "8", "--cost-file", str(cost), "--timeout", "120"]) in (0, None)
+    r = json.loads((tmp_path / "routepack.json").read_text())
+    assert (tmp_path / "routepack.png").exists() and r["benchmark"] == "routepack"
+    assert set(r["planner"]) == {"synthetic", "recorded"} and set(r["measured"]) == {"synthetic", "recorded"}
+    for p in r["planner"].values():
+        for w in p["windows"]:     # RoutePack never models worse than its own start; all methods planned
+            assert set(w["energy"]) == {"token balance", "KK + static", "RoutePack"} and w["rows"] >= w["bound"]
+    for m in r["measured"].values():
+        assert all(v > 0 for v in m["tokens_per_s"].values()) and len(m["tokens_per_step"]) == 2
+    assert [t["name"].split(",")[0] for t in r["targets"]][0] == "measured tokens/s"
+    for t in r["targets"]:
+        assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)
+    assert "targets" in capsys.readouterr().out
