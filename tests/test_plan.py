@@ -9,7 +9,7 @@ from arbor.plan import AnnealConfig, CostModel, Sample, balanced, karmarkar_karp
     token_balance
 from arbor.plan.cost import fit
 from arbor.plan.layout import anneal, energy
-from arbor.plan.packing import best_fit_decreasing, lower_bound_l1, lower_bound_l2
+from arbor.plan.packing import best_fit_decreasing, lower_bound_l1, lower_bound_l2, min_slack
 from arbor.plan.routepack import grid_start, problem
 from arbor.plan.traces import synthetic
 
@@ -50,6 +50,16 @@ def test_bounds_are_sound_and_bfd_valid_on_random_tiny_instances():
         assert sorted(i for r in p.rows for i in r) == list(range(len(sizes)))
         assert all(sum(sizes[i] for i in r) <= cap for r in p.rows)
         assert len(p.rows) >= best and (not p.certified or len(p.rows) == best)
+        rows = min_slack(sizes, cap)
+        assert sorted(i for r in rows for i in r) == list(range(len(sizes)))
+        assert all(sum(sizes[i] for i in r) <= cap for r in rows) and len(rows) >= best
+
+
+def test_min_slack_certifies_where_bfd_does_not():
+    sizes = [52, 42, 41, 34, 13, 13]      # BFD: {52, 42} {41, 34, 13} {13}; MBS': {52, 34, 13} {42, 41, 13}
+    assert len(best_fit_decreasing(sizes, 100)) == 3 and len(min_slack(sizes, 100)) == 2
+    p = pack_rows(sizes, 100, tries=0)
+    assert len(p.rows) == 2 and p.certified and p.l1 == 2
 
 
 def test_samples_over_the_cap_are_refused():

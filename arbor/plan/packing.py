@@ -10,7 +10,10 @@ Items are sample lengths s_i (1 ≤ s_i ≤ C, C = token cap); a row is a bin of
       L(α) = |J1| + |J2| + max(0, ⌈(Σ_{J3} s_i − (|J2|·C − Σ_{J2} s_i)) / C⌉),
   L2 = max_α L(α) ≥ L1 (α = 0 gives at least L1). Items in J1 ∪ J2 pairwise cannot share a row;
   the J3 items must fill the room the J2 rows leave, or open rows of their own.
-- ``pack_rows``: BFD, then, when BFD misses the bound, first-fit decreasing and a few
+- ``min_slack``: MBS' (Gupta & Ho 1999; Fleszar & Hindi 2002): rows one at a time, each the
+  largest remaining item plus the subset of the others that leaves the least room (depth-first over
+  items in decreasing size, equal sizes tried once, stopping at a perfect fill or a node budget).
+- ``pack_rows``: BFD, then, when BFD misses the bound, first-fit decreasing, MBS' and a few
   largest-first re-orderings; the fewest rows found is "certified" (= max(L1, L2): proven
   minimal) or "best known" with its ``gap`` = rows − bound.
 """
@@ -112,6 +115,45 @@ def first_fit_decreasing(sizes: list[int], cap: int) -> list[list[int]]:
     return rows
 
 
+def min_slack(sizes: list[int], cap: int, budget: int = 2000) -> list[list[int]]:
+    """MBS' rows (see module docstring); ``budget``: search nodes per row."""
+    left = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    rows = []
+    while left:
+        first, rest = left[0], left[1:]
+        room = cap - sizes[first]
+        vals = [sizes[i] for i in rest]
+        suffix = [0] * (len(vals) + 1)
+        for k in range(len(vals) - 1, -1, -1):
+            suffix[k] = suffix[k + 1] + vals[k]
+        best, chosen, nodes = (0, []), [], 0
+
+        def dfs(k: int, used: int) -> bool:
+            nonlocal best, nodes
+            nodes += 1
+            if used > best[0]:
+                best = (used, list(chosen))
+            if used == room or nodes > budget:
+                return True
+            k0 = k
+            while k < len(vals):
+                if used + suffix[k] <= best[0]:         # even everything left cannot beat the best
+                    return False
+                if vals[k] <= room - used and (k == k0 or vals[k] != vals[k - 1]):
+                    chosen.append(k)
+                    if dfs(k + 1, used + vals[k]):
+                        return True
+                    chosen.pop()
+                k += 1
+            return False
+
+        dfs(0, 0)
+        take = {rest[k] for k in best[1]}
+        rows.append([first] + [rest[k] for k in best[1]])
+        left = [i for i in rest if i not in take]
+    return rows
+
+
 def pack_rows(sizes: list[int], cap: int, tries: int = 8) -> Packing:
     """Fewest rows found by BFD (then FFD and ``tries`` re-orderings when BFD misses the bound),
     with its certificate. Deterministic."""
@@ -121,7 +163,7 @@ def pack_rows(sizes: list[int], cap: int, tries: int = 8) -> Packing:
     bound = max(l1, l2)
     best = best_fit_decreasing(sizes, cap)
     if len(best) > bound:
-        candidates = [first_fit_decreasing(sizes, cap)]
+        candidates = [first_fit_decreasing(sizes, cap), min_slack(sizes, cap)]
         dec = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
         for t in range(1, tries + 1):        # rotate the large items: a different item opens each row
             big = [i for i in dec if 2 * sizes[i] > cap]
