@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from arbor.bench.common import median, print_table, write_result
+from arbor.bench.common import median, print_table, print_targets, target, write_result
 from arbor.bench.rl_setup import make_trainer, tiny_model
 from arbor.rollout.collector import RolloutConfig
 from arbor.tasks.longtail import generate_problems
@@ -58,6 +58,13 @@ def run(out_dir="bench_results", groups=8, branch=4, samples=256, device="cpu", 
     print_table(f"rollout phase, longtail task, {samples} trained samples, {device}",
                 ["system", "steps", "samples", "rollout s", "ms/sample", "tokens/update", "final reward"], rows)
     print(f"C3PO++ rollout speedup per trained sample: {result['rollout_speedup_per_sample']:.2f}x")
+    late = lambda h: median([r["reward"] for r in h[-max(1, len(h) // 2):]])     # rewards over the second half
+    rs, rc = late(s["history"]), late(c["history"])
+    result["targets"] = [
+        target("C3PO++ rollout speedup per trained sample", result["rollout_speedup_per_sample"], ">= 2",
+               result["rollout_speedup_per_sample"] >= 2),
+        target("C3PO++ reward (second-half median) − synchronous", rc - rs, "within ± 0.05 (noise)", abs(rc - rs) <= 0.05)]
+    print_targets(result["targets"])
 
     def plot(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))

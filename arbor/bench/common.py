@@ -58,6 +58,16 @@ def print_table(title: str, header: list[str], rows: list[list]) -> str:
     return text
 
 
+def target(name: str, value: float, wanted: str, met: bool) -> dict:
+    """One entry of a bench JSON's ``targets`` list: what its issue asked for, computed from the run."""
+    return {"name": name, "value": value, "target": wanted, "met": bool(met)}
+
+
+def print_targets(targets: list[dict]) -> None:
+    print_table("targets", ["target", "value", "wanted", "met"],
+                [[t["name"], t["value"], t["target"], "yes" if t["met"] else "NO"] for t in targets])
+
+
 def write_result(out_dir: str | Path, name: str, result: dict, plot: Callable | None = None) -> Path:
     """Write ``name.json`` (result + machine facts) and, given ``plot(ax_or_fig)``, ``name.png``."""
     out = Path(out_dir)

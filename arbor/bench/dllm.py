@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.bench.common import print_table, write_result
+from arbor.bench.common import print_table, print_targets, target, write_result
 from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed
 from arbor.engine.diffusion_metrics import aup, tpf
 from arbor.models import BlockDiffusionAttention, load_model, save_model
@@ -159,6 +159,15 @@ def targets(q: dict, s: dict, aups: dict, curves: dict, y_max: float) -> dict:
             "aup_ceiling_over_base": rho_max * y_max / max(aups["base"], 1e-9)}
 
 
+def target_list(task: str, t: dict) -> list[dict]:
+    """``targets``' values of one task → the bench JSON's target entries (A: Speed ÷ Quality TPF ≥ 2
+    within 5 points of accuracy; B: TAD-Speed AUP ≥ 1.5 × the base's)."""
+    return [target(f"{task}: Speed TPF / Quality TPF, accuracy within 5 points", t["speed_tpf_over_quality"], ">= 2",
+                   t["speed_tpf_over_quality"] >= 2 and t["speed_accuracy_drop"] <= 5),
+            target(f"{task}: TAD-Speed AUP / base AUP", t["tad_speed_aup_over_base"], ">= 1.5",
+                   t["tad_speed_aup_over_base"] >= 1.5)]
+
+
 def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_STEPS, tad_steps=TAD_STEPS,
         tad_per_task=TAD_PER_TASK, n_eval=300, device="cpu", tasks=tuple(TASKS), block_size=BLOCK_SIZE,
         tad_lr=TAD_LR, tad_scope="all", tad_visible_weight=0.0, repeats=3) -> dict:
@@ -205,6 +214,8 @@ def run(out_dir="bench_results", cache_dir="runs/dllm_cache", train_steps=TRAIN_
                 ["task", "S÷Q TPF", "S ceiling÷Q", "acc drop", "% conf in (.5,.7]", "TAD-S÷base AUP", "AUP ceiling÷base"],
                 target_rows)
     result["seconds"] = time.time() - t0
+    result["targets"] = [e for task in tasks for e in target_list(task, result["tasks"][task]["targets"])]
+    print_targets(result["targets"])
 
     def plot(plt):
         fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)

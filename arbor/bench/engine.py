@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from arbor.bench.common import median, print_table, time_interleaved, write_result
+from arbor.bench.common import median, print_table, print_targets, target, time_interleaved, write_result
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
 from arbor.models import CausalLM, ModelConfig
 from arbor.models.checkpoint import from_hf_tensors
@@ -145,6 +145,16 @@ def run(out_dir="bench_results", device="cpu", repeats=3, batch=16, prompt_len=6
     result["workloads"]["multiturn"] = mt
     print_table(f"engine throughput (generated tokens/s), greedy, {device}, threads {torch.get_num_threads()}",
                 ["workload", "arbor", "transformers tok/s", "arbor tok/s", "arbor/transformers"], rows)
+    ratio = lambda w, k: result["workloads"][w]["tokens_per_s"][k] / result["workloads"][w]["tokens_per_s"]["transformers"]
+    best16 = max(ratio("batch16", k) for k in ("arbor-fp32", "arbor-bf16"))
+    result["targets"] = [
+        target(f"{batch} requests: Arbor tokens/s / transformers (fp32)", ratio("batch16", "arbor-fp32"), ">= 2",
+               ratio("batch16", "arbor-fp32") >= 2),
+        target(f"{batch} requests: Arbor tokens/s / transformers (bf16)", ratio("batch16", "arbor-bf16"), ">= 2",
+               ratio("batch16", "arbor-bf16") >= 2),
+        target(f"{mixed} mixed requests: ratio above the {batch}-request one", ratio("mixed256", "arbor-fp32"),
+               f"> {best16:.3g}", ratio("mixed256", "arbor-fp32") > best16)]
+    print_targets(result["targets"])
     print_table(f"multi-turn: {convs} conversations x {turns} turns (history re-sent)",
                 ["arbor", "seconds", "prefix-cache hit rate"],
                 [[k, v["seconds"], v["hit_rate"]] for k, v in mt.items()])

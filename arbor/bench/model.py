@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from arbor.bench.common import median, print_table, time_interleaved, write_result
+from arbor.bench.common import median, print_table, print_targets, target, time_interleaved, write_result
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.checkpoint import from_hf_tensors
 
@@ -62,6 +62,9 @@ def run(out_dir="bench_results", batch=4, seq_len=512, repeats=5, device="cpu", 
         rows.append([kind, t_hf * 1e3, t_arbor * 1e3, t_arbor / t_hf])
     print_table(f"forward+backward, {batch}x{seq_len} tokens, float32, {device} (median of {repeats})",
                 ["model", "transformers ms", "arbor ms", "arbor/transformers"], rows)
+    result["targets"] = [target(f"{kind}: Arbor fwd+bwd time / transformers'", ratio, "<= 1.0", ratio <= 1.0)
+                         for kind, _, _, ratio in rows]
+    print_targets(result["targets"])
 
     def plot(plt):
         fig, ax = plt.subplots(figsize=(5, 3.5))

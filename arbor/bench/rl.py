@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from arbor.bench.common import median, print_table, write_result
+from arbor.bench.common import median, print_table, print_targets, target, write_result
 from arbor.bench.rl_setup import make_trainer, tiny_model
 from arbor.rollout.collector import RolloutConfig
 from arbor.tasks.longtail import LongTailProblem
@@ -36,6 +36,10 @@ def run(out_dir="bench_results", repeats=5, device="cpu", seed=0, engine_dtypes=
         rows.append([f"engine {dtype}"] + [1e3 * med[k] for k in PHASES] + [tokens / total])
     print_table(f"one RL step (8x4 samples, 32 tokens), {device}, median of {repeats}",
                 ["system", "rollout ms", "recompute ms", "train ms", "sync ms", "tokens/s"], rows)
+    share = {name: s["median_s"]["sync_s"] / sum(s["median_s"].values()) for name, s in result["systems"].items()}
+    result["targets"] = [target(f"{name}: weight sync share of the step (in place, ASystem)", v, "<= 0.02", v <= 0.02)
+                         for name, v in share.items()]
+    print_targets(result["targets"])
 
     def plot(plt):
         fig, ax = plt.subplots(figsize=(6, 3.5))
