@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/arbor: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,ray]"
 	touch $(BIN)/arbor
 
 venv: $(BIN)/arbor
