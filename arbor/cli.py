@@ -2,7 +2,8 @@
 ``SUBCOMMANDS``; handlers call library code and hold no logic a library user would need.
 
 Benchmarks: ``arbor bench NAME`` — every module ``arbor.bench.NAME`` listed in ``BENCHMARKS``
-defines ``add_arguments(parser)`` and ``main(args)``; add a name there to register one.
+defines ``add_arguments(parser)`` and ``main(args)``; add a name there to register one. A bench
+module is imported only when that bench runs (or shows its ``--help``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,28 @@ BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine", "ep",
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="run a benchmark program (prints a ratio table, writes JSON + PNG)")
-    bench = p.add_subparsers(dest="bench", required=True)
-    for name in BENCHMARKS:
-        module = importlib.import_module(f"arbor.bench.{name}")
-        b = bench.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        b.add_argument("--out", default="bench_results", help="folder for NAME.json and NAME.png")
-        b.add_argument("--device", default="cpu")
-        module.add_arguments(b)
-        b.set_defaults(func=module.main)
+    p = sub.add_parser("bench", help="run a benchmark program (prints a ratio table, writes JSON + PNG)",
+                       description="arbor bench NAME [--help | options]; NAME is one of: " + ", ".join(BENCHMARKS))
+    p.add_argument("bench", choices=BENCHMARKS, metavar="NAME", help=" | ".join(BENCHMARKS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the bench's options (arbor bench NAME --help)")
+    p.set_defaults(func=_run_bench)
+
+
+def bench_parser(name: str):
+    """→ (the parser of ``arbor bench NAME``, the bench module), importing the module."""
+    module = importlib.import_module(f"arbor.bench.{name}")
+    b = argparse.ArgumentParser(prog=f"arbor bench {name}", description=(module.__doc__ or "").strip())
+    b.add_argument("--out", default="bench_results", help="folder for NAME.json and NAME.png")
+    b.add_argument("--device", default="cpu")
+    module.add_arguments(b)
+    return b, module
+
+
+def _run_bench(a):
+    parser, module = bench_parser(a.bench)
+    args = parser.parse_args(a.args)
+    args.bench, args.command = a.bench, "bench"
+    return module.main(args)
 
 
 def _config_args(p) -> None:
@@ -344,7 +358,11 @@ SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arbor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="arbor", description=(
+        "Arbor: RL post-training for agentic LLMs — rollout engine, multi-turn tree rollouts, tree training, "
+        "mismatch-safe objectives, MoE and block-diffusion models. Jobs (sft, train, demo, dllm-train, "
+        "dllm-distill) take [cfg.toml] key=value …; tools (generate, eval, serve, bench, launch, plan) take flags. "
+        "`arbor COMMAND --help` for each."))
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)

@@ -105,11 +105,11 @@ def test_gradient_checkpointing_same_gradients():
 
 
 def test_reduced_precision_attention_runs_in_float32_on_cpu():
-    from arbor.models.attention import _sdpa
+    from arbor.models.attention import sdpa
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 5, 4, 8).bfloat16(), torch.randn(3, 9, 2, 8).bfloat16(), torch.randn(3, 9, 2, 8).bfloat16())
     mask = torch.rand(3, 1, 5, 9) > 0.3
     mask[..., 0] = True
-    out = _sdpa(q, k, v, 0.35, mask=mask)
-    ref = _sdpa(q.float(), k.float(), v.float(), 0.35, mask=mask)
+    out = sdpa(q, k, v, 0.35, mask=mask)
+    ref = sdpa(q.float(), k.float(), v.float(), 0.35, mask=mask)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())   # one rounding, at the output

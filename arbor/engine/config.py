@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from arbor.models.config import torch_dtypes
+
+DTYPES = torch_dtypes()
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arbor.models.attention import _sdpa
+from arbor.models.attention import sdpa
 
 
 @dataclass
@@ -81,7 +81,7 @@ class BlockCacheAttention:
             if self._blocks[i] is None:
                 self._blocks[i] = self._mask(i, q.device)
             mask = self._blocks[i]
-            outs.append(_sdpa(qs[None], torch.cat([ck, ks])[None], torch.cat([cv, vs])[None], scale, mask=mask)[0])
+            outs.append(sdpa(qs[None], torch.cat([ck, ks])[None], torch.cat([cv, vs])[None], scale, mask=mask)[0])
             start += n
         self._write(layer_idx, k, v)
         return torch.cat(outs)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from arbor.engine import cpu_attention
-from arbor.models.attention import _sdpa, cu_seqlens_from_lengths
+from arbor.models.attention import sdpa, cu_seqlens_from_lengths
 
 
 class KVCache:
@@ -142,14 +142,14 @@ class PagedAttention:
         for g in self.decodes:
             keys, values = self.cache.gather_blocks(a, g.blocks)
             shape = (g.count, -1, *k.shape[1:])
-            outs.append(_sdpa(q[g.start:g.start + g.count, None], keys.view(shape), values.view(shape), scale,
+            outs.append(sdpa(q[g.start:g.start + g.count, None], keys.view(shape), values.view(shape), scale,
                               mask=g.mask)[:, 0])
         for ch in self.chunks:
             qs = q[None, ch.start:ch.start + ch.length]
             if ch.blocks is None:
                 ks, vs = k[None, ch.start:ch.start + ch.length], v[None, ch.start:ch.start + ch.length]
-                outs.append(_sdpa(qs, ks, vs, scale, causal=True)[0])
+                outs.append(sdpa(qs, ks, vs, scale, causal=True)[0])
             else:
                 keys, values = self.cache.gather_blocks(a, ch.blocks)
-                outs.append(_sdpa(qs, keys[None], values[None], scale, mask=ch.mask)[0])
+                outs.append(sdpa(qs, keys[None], values[None], scale, mask=ch.mask)[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)

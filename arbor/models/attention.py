@@ -27,7 +27,7 @@ from arbor.models import cpu_ops
 from arbor.models.layers import RMSNorm, apply_rope, rms_norm
 
 
-def _sdpa(q, k, v, scale, mask=None, causal=False):
+def sdpa(q, k, v, scale, mask=None, causal=False):
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups), in q's dtype.
     On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU flash kernel is ~4×
     slower in reduced precision for one-query decode, and float32 only rounds once, at the output."""
@@ -70,9 +70,9 @@ class VarlenAttention:
         n = len(self.lengths)
         if all(length == self.lengths[0] for length in self.lengths):
             shape = lambda x: x.reshape(n, self.lengths[0], *x.shape[1:])
-            return _sdpa(shape(q), shape(k), shape(v), scale, causal=True).reshape(q.shape)
+            return sdpa(shape(q), shape(k), shape(v), scale, causal=True).reshape(q.shape)
         starts = self.cu_seqlens[:-1].tolist()
-        return torch.cat([_sdpa(q[None, s:s + m], k[None, s:s + m], v[None, s:s + m], scale, causal=True)[0]
+        return torch.cat([sdpa(q[None, s:s + m], k[None, s:s + m], v[None, s:s + m], scale, causal=True)[0]
                           for s, m in zip(starts, self.lengths)])
 
 
@@ -114,7 +114,7 @@ class TreeAttention:
         return self.mask.sum(-1) - 1
 
     def attend(self, layer_idx, q, k, v, scale):
-        return _sdpa(q[None], k[None], v[None], scale, mask=self.mask)[0]
+        return sdpa(q[None], k[None], v[None], scale, mask=self.mask)[0]
 
 
 @dataclass
@@ -144,7 +144,7 @@ class BlockDiffusionAttention:
 
     def attend(self, layer_idx, q, k, v, scale):
         starts = self.cu_seqlens[:-1].tolist()
-        return torch.cat([_sdpa(q[None, s:s + m], k[None, s:s + m], v[None, s:s + m], scale,
+        return torch.cat([sdpa(q[None, s:s + m], k[None, s:s + m], v[None, s:s + m], scale,
                                 mask=self.block_mask(m))[0] for s, m in zip(starts, self.lengths)])
 
 

@@ -32,6 +32,12 @@ ARCHITECTURES = {
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
+def torch_dtypes() -> dict:
+    """The dtype names a user may give (engine, trainer, bench) → torch dtypes: the one table."""
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class ConfigError(ValueError):
     """A config.json that Arbor cannot build a model from; the message says which key and why."""
 

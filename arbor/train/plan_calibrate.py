@@ -1,7 +1,8 @@
 """``arbor plan calibrate``: measure this machine and fit the planner's cost model (``arbor.plan.cost``).
 
 Two measurements on one process (``threads`` intra-op threads: one per EP rank is what the 2-rank
-CPU runs use), each the median of ``repeats`` timed calls after one warm-up:
+CPU runs use), each the fastest of ``repeats`` timed calls after one warm-up (other processes on a
+shared machine only ever add time, so the minimum is the least disturbed reading):
 
 1. one expert, forward + backward of R rows (R = 64 … 1024) → e, the seconds per routed row;
 2. the whole model, forward + backward (cross-entropy) of packed batches of equal-length sequences
@@ -15,7 +16,6 @@ threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 
 import torch
@@ -27,14 +27,14 @@ BATCHES = [(32, 16), (64, 16), (128, 8), (256, 4), (512, 2), (1024, 1), (128, 4)
 ROWS = [64, 128, 256, 512, 1024]
 
 
-def _median_time(fn, repeats: int) -> float:
+def _fastest(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_expert(model, rows: list[int], repeats: int) -> list[float]:
@@ -48,7 +48,7 @@ def measure_expert(model, rows: list[int], repeats: int) -> list[float]:
         def run():
             experts.zero_grad(set_to_none=True)
             experts.grouped([x]).square().mean().backward()
-        out.append(_median_time(run, repeats))
+        out.append(_fastest(run, repeats))
     return out
 
 
@@ -71,7 +71,7 @@ def measure_model(model, batches, repeats: int, seed: int = 0) -> list[dict]:
             model.zero_grad(set_to_none=True)
             logits = model.logits(model(ids, attn, routed_experts=routed).hidden)
             F.cross_entropy(logits, labels).backward()
-        runs.append({"lengths": [n] * count, "seconds": _median_time(run, repeats)})
+        runs.append({"lengths": [n] * count, "seconds": _fastest(run, repeats)})
     return runs
 
 

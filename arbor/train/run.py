@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from arbor.models.config import torch_dtypes
+
+DTYPES = torch_dtypes()
 
 
 def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", logit_noise: float = 0.0,

@@ -10,69 +10,23 @@ Per-token-weights form: for a loss Σ_j Σ_t w_jt · logp_jt, the compact weight
 ``W[i] = Σ_{j,t: traj_index[j][t] = i} w_jt`` and Σ_i W[i]·logp[i] is the same loss (with
 w_jt = w it is w · multiplicity[i]).
 
-Softmax layers use ``SegmentTreeAttention``: for each fork-free run s (see
-``arbor.models.tree_linear``), queries of s attend to the keys of all ancestor runs and causally
-inside s — exactly ancestors + self, with cost Σ_i depth(i) instead of the [T, T] dense mask.
-Linear-attention layers run level by level through the same segments (``tree_linear``).
+Softmax layers use ``arbor.models.SegmentTreeAttention`` (ancestors + self per fork-free run, cost
+Σ_i depth(i) instead of the [T, T] dense mask); linear-attention layers run level by level through
+the same segments (``tree_linear``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from arbor.models import TreeAttention, expert_counts
-from arbor.models.attention import _sdpa
-from arbor.models.tree_linear import Segments, segment_depths, tree_segments
+from arbor.models.tree_attention import SegmentTreeAttention
 from arbor.train.logprobs import gather_logprobs, packed_logprobs
 from arbor.train.losses import router_aux_loss
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.tree_batch import TreeBatch, TreeConfig, build_rows
-
-
-@dataclass
-class SegmentTreeAttention:
-    """Tree attention metadata (token sees itself and its ancestors) computed per fork-free run."""
-
-    parents: torch.Tensor
-    linear_replay: bool = True
-    segments: Segments = field(init=False)
-    cu_seqlens = None
-
-    def __post_init__(self):
-        self.segments = tree_segments(self.parents.tolist())
-        seg, dev = self.segments, self.parents.device
-        self._keys, self._masks = [], []
-        for s in range(len(seg)):
-            chain, cur = [], s
-            while cur >= 0:
-                chain.append(cur)
-                cur = seg.parent[cur]
-            keys = torch.cat([torch.arange(seg.start[c], seg.end[c]) for c in reversed(chain)])
-            n = seg.end[s] - seg.start[s]
-            ctx = keys.numel() - n
-            mask = torch.ones(n, n, dtype=torch.bool).tril()
-            mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), mask], 1)
-            self._keys.append(keys.to(dev))
-            self._masks.append(None if ctx == 0 else mask.to(dev))
-
-    @property
-    def num_tokens(self) -> int:
-        return self.parents.shape[0]
-
-    def positions(self) -> torch.Tensor:
-        return segment_depths(self.segments, self.num_tokens).to(self.parents.device)
-
-    def attend(self, layer_idx, q, k, v, scale):
-        seg, outs = self.segments, []
-        for s, (keys, mask) in enumerate(zip(self._keys, self._masks)):
-            qs = q[None, seg.start[s]:seg.end[s]]
-            if mask is None:  # a root run: plain causal attention over itself
-                outs.append(_sdpa(qs, k[None, keys], v[None, keys], scale, causal=True)[0])
-            else:
-                outs.append(_sdpa(qs, k[None, keys], v[None, keys], scale, mask=mask)[0])
-        return torch.cat(outs)
 
 
 def row_attention(row: TreeBatch, cfg: TreeConfig):
