@@ -71,3 +71,12 @@ def test_run_tool_reports_errors_and_environment_rewards():
         return await env.step(f"Answer: {p.answer}")
     _, reward, done = asyncio.run(episode())
     assert done and reward == 1.0
+
+
+def test_the_environment_refuses_weak_isolation_up_front(monkeypatch):
+    from arbor.rollout.sandbox import SandboxUnavailable
+    monkeypatch.delenv("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION", raising=False)
+    problem = generate_problems(1, seed=0)[0]
+    with pytest.raises(SandboxUnavailable, match="allow_weak_isolation"):
+        make_environment(problem, SandboxConfig(os_isolation=False))
+    assert make_environment(problem, SandboxConfig(os_isolation=False, allow_weak_isolation=True))

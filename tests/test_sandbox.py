@@ -1,5 +1,7 @@
 """Hostile inputs for arbor.rollout.sandbox: each must end in a clear status, leave no live
-process behind, and leave the parent (this pytest process) working and unlimited."""
+process behind, leave no file for the next run, and leave the parent (this pytest process) working
+and unlimited. Configs allow weak isolation (so the suite runs where namespaces do not) except where
+the refusal itself is tested."""
 
 import asyncio
 import os
@@ -7,9 +9,11 @@ import resource
 
 import pytest
 
-from arbor.rollout.sandbox import SandboxConfig, network_isolation, run_python, run_python_async
+from arbor.rollout import sandbox
+from arbor.rollout.sandbox import (SandboxConfig, SandboxUnavailable, network_isolation, run_python,
+                                    run_python_async)
 
-FAST = SandboxConfig(timeout_s=2.0)
+FAST = SandboxConfig(timeout_s=2.0, allow_weak_isolation=True)
 MODES = [True, False]   # os_isolation: unshare namespaces when available / the prelude alone
 
 
@@ -54,7 +58,7 @@ def test_syntax_error_and_exception_give_traceback_tail():
 
 @pytest.mark.parametrize("os_isolation", MODES)
 def test_infinite_loop_times_out(os_isolation):
-    cfg = SandboxConfig(timeout_s=1.0, os_isolation=os_isolation)
+    cfg = SandboxConfig(timeout_s=1.0, os_isolation=os_isolation, allow_weak_isolation=True)
     r = run_python("while True:\n    pass", cfg)
     assert r.status == "timeout" and r.wall_s < cfg.timeout_s + 1.0
     assert r.as_observation() == "timeout after 1s"
@@ -63,7 +67,7 @@ def test_infinite_loop_times_out(os_isolation):
 
 @pytest.mark.parametrize("os_isolation", MODES)
 def test_fork_bomb_is_contained(os_isolation):
-    cfg = SandboxConfig(timeout_s=2.0, max_processes=16, os_isolation=os_isolation)
+    cfg = SandboxConfig(timeout_s=2.0, max_processes=16, os_isolation=os_isolation, allow_weak_isolation=True)
     r = run_python("import os\nwhile True:\n    os.fork()", cfg)
     assert r.status in ("timeout", "error", "killed")
     assert r.wall_s < cfg.timeout_s + 1.0
@@ -75,7 +79,7 @@ def test_fork_bomb_is_contained(os_isolation):
 def test_child_that_leaves_the_group_is_killed(os_isolation):
     code = ("import os, time\nr, w = os.pipe()\npid = os.fork()\nif pid == 0:\n"
             "    os.setsid()\n    os.write(w, b'x')\n    time.sleep(60)\nos.read(r, 1)\nprint(pid)")
-    r = run_python(code, SandboxConfig(timeout_s=2.0, os_isolation=os_isolation))
+    r = run_python(code, SandboxConfig(timeout_s=2.0, os_isolation=os_isolation, allow_weak_isolation=True))
     assert r.status == "ok"
     if not (os_isolation and network_isolation() == "unshare"):   # else that pid is in a dead PID namespace
         assert not is_live(int(r.stdout))
@@ -84,14 +88,14 @@ def test_child_that_leaves_the_group_is_killed(os_isolation):
 @pytest.mark.parametrize("code", ["x = bytearray(10**10)",
                                   "x = []\nwhile True:\n    x.append(' ' * 10**6)"])
 def test_memory_hog(code):
-    r = run_python(code, SandboxConfig(timeout_s=3.0, memory_mb=256))
+    r = run_python(code, SandboxConfig(timeout_s=3.0, memory_mb=256, allow_weak_isolation=True))
     assert r.status == "memory", (r.status, r.stderr[-300:])
     assert "MemoryError" in r.as_observation()
 
 
 @pytest.mark.parametrize("stream", ["sys.stdout", "sys.stderr"])
 def test_huge_output_is_capped_and_killed_early(stream):
-    cfg = SandboxConfig(timeout_s=3.0, max_output_bytes=4096)
+    cfg = SandboxConfig(timeout_s=3.0, max_output_bytes=4096, allow_weak_isolation=True)
     r = run_python(f"import sys\nwhile True:\n    print('x' * 1000, file={stream})", cfg)
     assert r.status == "output_limit" and r.wall_s < 1.5
     marker = "\n[output truncated at 4096 bytes]"
@@ -153,3 +157,80 @@ def test_parent_is_unaffected():
     assert run_python("import sys\nsys.exit(3)", FAST).exit_code == 3
     assert [resource.getrlimit(r) for r in (resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_CPU)] == limits
     assert run_python("print(sum(range(10)))", FAST).stdout == "45\n"
+
+
+NAMESPACES = pytest.mark.skipif(network_isolation() != "unshare", reason="needs user/mount namespaces")
+LEFTOVERS = {"/tmp": "'/tmp/arbor-left-{}'", "/var/tmp": "'/var/tmp/arbor-left-{}'",
+             "/dev/shm": "'/dev/shm/arbor-left-{}'", "cwd": "'arbor-left-{}'",
+             "tempfile": "__import__('tempfile').gettempdir() + '/arbor-left-{}'"}
+
+
+def write_then_read(tag: str, place: str, cfg: SandboxConfig):
+    """Run 1 writes a secret at the place and prints its absolute path; run 2 tries to read it."""
+    path = LEFTOVERS[place].format(tag)
+    first = run_python(f"import os\np = {path}\nopen(p, 'w').write('secret')\nprint(open(p).read(), os.path.abspath(p))",
+                       cfg)
+    second = run_python(f"p = {path}\ntry:\n    print(open(p).read())\nexcept OSError as e:\n"
+                        "    print(type(e).__name__)", cfg)
+    assert first.status == "ok" and first.stdout.startswith("secret"), first
+    return first.stdout.split()[1], second.stdout
+
+
+@NAMESPACES
+@pytest.mark.parametrize("place", sorted(LEFTOVERS))
+def test_a_run_cannot_read_what_the_previous_run_wrote(place):
+    path, second = write_then_read(f"ns{place.replace('/', '-')}", place, FAST)
+    assert second == "FileNotFoundError\n"
+    assert not os.path.exists(path)         # it never reached the host's folders either
+
+
+@NAMESPACES
+def test_private_tmp_holds_only_the_run_and_is_size_limited():
+    r = run_python("import os\nprint(sorted(os.listdir('/tmp')), os.listdir('/dev/shm'))", FAST)
+    assert r.stdout.startswith("['arbor-sandbox-") and r.stdout.endswith("] []\n"), r.stdout
+    cfg = SandboxConfig(timeout_s=3.0, tmp_mb=1, allow_weak_isolation=True)
+    for where in ("/tmp/big", "/dev/shm/big", "big"):
+        r = run_python(f"open({where!r}, 'wb').write(b'x' * (3 << 20))", cfg)
+        assert r.status == "error" and "No space left on device" in r.stderr, (where, r.stderr[-300:])
+
+
+@NAMESPACES
+def test_the_program_holds_no_capability():
+    r = run_python("for line in open('/proc/self/status'):\n    if line.startswith('Cap'):\n        print(line.split()[1])",
+                   FAST)
+    assert r.stdout.split() == ["0000000000000000"] * 5, r.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a non-root parent cannot tell a run's files from its own")
+@pytest.mark.parametrize("place", sorted(LEFTOVERS))
+def test_weak_isolation_still_removes_a_runs_files(place):
+    cfg = SandboxConfig(timeout_s=2.0, os_isolation=False, allow_weak_isolation=True)
+    path, second = write_then_read(f"weak{place.replace('/', '-')}", place, cfg)
+    assert second == "FileNotFoundError\n"
+    assert not os.path.exists(path)
+
+
+def test_weak_isolation_is_refused_unless_allowed(monkeypatch, caplog):
+    monkeypatch.delenv("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION", raising=False)
+    with pytest.raises(SandboxUnavailable, match="os_isolation=False"):
+        run_python("print(1)", SandboxConfig(os_isolation=False))
+    sandbox._warn_weak.cache_clear()
+    allowed = SandboxConfig(os_isolation=False, allow_weak_isolation=True)
+    with caplog.at_level("WARNING", logger="arbor.rollout.sandbox"):
+        assert [run_python("print(1)", allowed).stdout for _ in range(2)] == ["1\n", "1\n"]
+    assert len([r for r in caplog.records if "WEAK isolation" in r.getMessage()]) == 1
+    monkeypatch.setenv("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION", "1")
+    assert SandboxConfig(os_isolation=False).allow_weak_isolation
+
+
+def test_without_unshare_the_sandbox_refuses(monkeypatch):
+    """A machine without the unshare tool (PATH without it): refused, naming why."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION", raising=False)
+    sandbox._launch.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="unshare is not installed"):
+            run_python("print(1)", SandboxConfig())
+        assert network_isolation() == "prelude"
+    finally:
+        sandbox._launch.cache_clear()

@@ -19,13 +19,25 @@ Invariants:
   [2**20, 2**21)) whose count is that run alone; a non-root parent's uid owns other tasks,
   which count too, so its limit is their number plus `max_processes`.
 
-Network (`network_isolation()`): the prelude replaces `socket.socket` and friends (in `socket`
-and `_socket`) by ones raising PermissionError("network disabled in sandbox"). That is a
-Python-level guard only: ctypes or a child program gets past it. When ``unshare --user --net
---pid --fork --kill-child`` works for the sandbox uid, each run also gets its own user, network
-(loopback only) and PID namespaces: the kernel then enforces no network, and the run's death
-kills everything it forked. A non-root parent without that shares its uid with the program,
-which can then signal the parent's processes.
+Isolation (`network_isolation()` says which one runs): when ``unshare --user --map-root-user
+--mount --net --pid --fork --kill-child`` works for the sandbox uid (with ``--mount-proc`` where
+allowed), each run gets its own user, mount, network (loopback only) and PID namespaces. The prelude
+then mounts private tmpfs of ``tmp_mb`` MiB on /tmp, /var/tmp and /dev/shm (nosuid, nodev), makes the
+working directory inside that /tmp, and drops every capability (bounding set included, no new
+privileges) before the program runs: the kernel enforces no network, everything the program writes
+lives in its own tmpfs and is gone with its namespaces when the run ends, so nothing outlives a run
+and no run can read another's files, and the run's death kills everything it forked.
+The prelude also replaces `socket.socket` and friends (in `socket` and `_socket`) by ones raising
+PermissionError("network disabled in sandbox"), a Python-level guard that ctypes or a child program
+gets past.
+
+Without namespaces (``unshare`` missing or refused, or ``os_isolation=False``) isolation is weak: no
+kernel network barrier, /tmp and /dev/shm shared with the host. The sandbox then refuses to run code
+(`SandboxUnavailable`) unless ``allow_weak_isolation`` is set (or ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1),
+and logs once that it runs weakly: TMPDIR is the per-run working directory, files are created
+private (umask 077), and as root the run's leftovers in /tmp, /var/tmp and /dev/shm (entries owned
+by its fresh uid) are deleted after it; a non-root parent shares its uid with the program, which
+can then signal the parent's processes and read what other runs leave in shared folders.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import math
 import os
 import resource
@@ -44,18 +57,48 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
-_UNSHARE = ("unshare", "--user", "--net", "--pid", "--fork", "--kill-child")
+log = logging.getLogger(__name__)
+
+_NAMESPACES = ("unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child")
+_UNSHARES = (_NAMESPACES + ("--mount-proc",), _NAMESPACES)     # the first that works here
+_SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 _FRESH_UID_BASE = 1 << 20
 _FILE_SIZE_BYTES = 16 << 20
 _OPEN_FILES = 256
 _DRAIN_S = 1.0            # how long to wait for pipes to close once the run is over
 _TRUNCATED = "\n[output truncated at {} bytes]"
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONHASHSEED": "0"}
-_PRELUDE = r'''
+_PRIVATE = r'''
+def _private(size_mb, name):
+    """Private tmpfs on the shared temporary folders, cwd inside, then no capability left."""
+    import ctypes, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    for target in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(target) and libc.mount(b"tmpfs", target.encode(), b"tmpfs", 2 | 4,   # nosuid, nodev
+                                                f"size={size_mb}m,mode=1777".encode()) != 0:
+            raise OSError(ctypes.get_errno(), "sandbox: cannot mount a private " + target)
+    os.mkdir("/tmp/" + name, 0o700)
+    os.chdir("/tmp/" + name)
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)                    # PR_CAPBSET_DROP (EINVAL past the last one)
+    libc.prctl(47, 4, 0, 0, 0)                          # PR_CAP_AMBIENT_CLEAR_ALL
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    if libc.prctl(38, 1, 0, 0, 0) or libc.capset(ctypes.byref(Header(0x20080522, 0)), (ctypes.c_uint32 * 6)()):
+        raise OSError(ctypes.get_errno(), "sandbox: cannot drop capabilities")
+'''
+_PRELUDE = _PRIVATE + r'''
 import socket as _sm, _socket as _cs, sys, traceback
+if sys.argv[1:2] == ["private"]:
+    with open("main.py", "rb") as _f:
+        _src = _f.read()
+    _private(int(sys.argv[2]), sys.argv[3])
+    with open("main.py", "wb") as _f:
+        _f.write(_src)
+    del _src, _f, _private
 def _no_network(*args, **kwargs):
     raise PermissionError("network disabled in sandbox")
 class _NoSocket(_sm.socket):
@@ -89,6 +132,13 @@ class SandboxConfig:
     max_processes: int = 16         # RLIMIT_NPROC (processes + threads of the run)
     cpu_s: int | None = None        # RLIMIT_CPU; None: ceil(timeout_s) + 1
     os_isolation: bool = True       # use unshare namespaces when they work here
+    tmp_mb: int = 64                # size of each private tmpfs (/tmp, /var/tmp, /dev/shm)
+    allow_weak_isolation: bool = field(   # run code even without namespaces (see the module docstring)
+        default_factory=lambda: os.environ.get("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION") == "1")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Namespaces are unavailable here and weak isolation was not allowed."""
 
 
 @dataclass(slots=True)
@@ -115,9 +165,10 @@ class SandboxResult:
 
 
 class _Launch(NamedTuple):
-    prefix: tuple[str, ...]     # () or _UNSHARE
+    prefix: tuple[str, ...]     # () or one of _UNSHARES
     python: str
     network: str                # "unshare" | "prelude"
+    why_weak: str = ""          # why namespaces are not used ("" when they are)
 
 
 def _drop_to(uid: int) -> None:
@@ -130,6 +181,7 @@ def _child_setup(config: SandboxConfig, uid: int | None, nproc: int) -> None:
     """Runs in the forked child before exec. RLIMIT_AS goes last: the fork is a copy of a
     possibly large parent, and nothing may need to allocate after it is lowered."""
     cpu = config.cpu_s if config.cpu_s is not None else math.ceil(config.timeout_s) + 1
+    os.umask(0o077)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_BYTES, _FILE_SIZE_BYTES))
@@ -171,33 +223,77 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.001)
 
 
-def _probe(argv: list[str], uid: int | None) -> str | None:
+def _probe(argv: list[str], uid: int | None) -> tuple[str | None, str]:
+    """(stdout when it exits 0 else None, the end of stderr)."""
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=10, env=_ENV, cwd="/",
                            preexec_fn=(lambda: _drop_to(uid)) if uid is not None else None)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, str(e)
+    return (r.stdout.strip() if r.returncode == 0 else None), r.stderr.strip()[-300:]
 
 
 @functools.lru_cache(maxsize=None)
 def _launch(os_isolation: bool) -> _Launch:
     """The first interpreter the sandbox uid can run (sys.executable, else python3 on PATH),
-    under unshare when that works and leaves only the loopback interface."""
+    under the first ``unshare`` that works and leaves only the loopback interface with a private /tmp."""
     uid = _fresh_uid()
     pythons = dict.fromkeys(p for p in (sys.executable, shutil.which("python3", path=_ENV["PATH"])) if p)
-    check = "import socket; print(len(socket.if_nameindex()))"
+    check = _PRIVATE + "_private(1, 'probe')\nimport socket; print(len(socket.if_nameindex()))"
+    skip = "os_isolation=False" if not os_isolation else "" if shutil.which("unshare") else "unshare is not installed"
+    why = skip
     for py in pythons:
-        if os_isolation and shutil.which("unshare") and _probe([*_UNSHARE, py, "-c", check], uid) == "1":
-            return _Launch(_UNSHARE, py, "unshare")
-        if _probe([py, "-c", check], uid) is not None:
-            return _Launch((), py, "prelude")
-    return _Launch((), sys.executable, "prelude")
+        if not skip:
+            failures = []
+            for prefix in _UNSHARES:
+                out, err = _probe([*prefix, py, "-c", check], uid)
+                if out == "1":
+                    return _Launch(prefix, py, "unshare")
+                failures.append(err or out or "no output")
+            why = f"'{' '.join(_NAMESPACES)}' failed for the sandbox uid: {failures[-1]}"
+        if _probe([py, "-c", "pass"], uid)[0] is not None:
+            return _Launch((), py, "prelude", why)
+    return _Launch((), sys.executable, "prelude", why or "no interpreter runs as the sandbox uid")
 
 
 def network_isolation(os_isolation: bool = True) -> str:
-    """"unshare" when runs get their own network/PID namespaces here, else "prelude"."""
+    """"unshare" when runs get their own namespaces and private /tmp here, else "prelude"."""
     return _launch(os_isolation).network
+
+
+def check_isolation(config: SandboxConfig) -> str:
+    """→ "unshare" or (when allowed, logged once) "prelude"; SandboxUnavailable when runs would be weakly
+    isolated and ``config.allow_weak_isolation`` is not set."""
+    launch = _launch(config.os_isolation)
+    if launch.network == "unshare":
+        return "unshare"
+    if not config.allow_weak_isolation:
+        raise SandboxUnavailable(
+            f"the sandbox cannot isolate tool code here ({launch.why_weak}); refusing to run it. To run it anyway "
+            "with resource limits and a Python-level network guard only (no private /tmp, no kernel network "
+            "barrier), set SandboxConfig(allow_weak_isolation=True) or ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1")
+    _warn_weak(launch.why_weak)
+    return "prelude"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_weak(why: str) -> None:
+    log.warning("sandbox: running tool code with WEAK isolation (%s): rlimits and a Python-level network guard "
+                "only; /tmp and /dev/shm are shared with the host", why)
+
+
+def _remove_owned(uid: int) -> None:
+    """Delete the entries of the shared temporary folders that belong to ``uid`` (a finished run's fresh uid)."""
+    for folder in _SHARED_TMP:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid != uid:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
 
 
 def _killpg(pgid: int) -> None:
@@ -252,9 +348,12 @@ async def _wait_exit(proc, until: float, stop: list) -> None:
 
 
 async def run_python_async(code: str, config: SandboxConfig = SandboxConfig(), stdin: str = "") -> SandboxResult:
-    """Run `code` as __main__ of a fresh sandboxed interpreter; see the module docstring."""
+    """Run `code` as __main__ of a fresh sandboxed interpreter; see the module docstring.
+    SandboxUnavailable (before anything runs) when isolation would be weak and that is not allowed."""
     start = time.monotonic()
+    private = check_isolation(config) == "unshare"
     launch, uid = _launch(config.os_isolation), _fresh_uid()
+    run_uid = uid
     nproc = config.max_processes + (sum(_live_procs(os.getuid()).values()) if uid is None else 0)
     tmp = tempfile.mkdtemp(prefix="arbor-sandbox-")
     proc, why, tasks, cap = None, [], [], config.max_output_bytes
@@ -263,9 +362,11 @@ async def run_python_async(code: str, config: SandboxConfig = SandboxConfig(), s
             f.write(code)
         if uid is not None:
             os.chown(tmp, uid, uid)
+        extra = ["private", str(config.tmp_mb), os.path.basename(tmp)] if private else []
         try:
             proc = await asyncio.create_subprocess_exec(
-                *launch.prefix, launch.python, "-s", "-c", _PRELUDE, cwd=tmp, env=_ENV,
+                *launch.prefix, launch.python, "-s", "-c", _PRELUDE, *extra, cwd=tmp,
+                env=_ENV if private else {**_ENV, "TMPDIR": tmp},
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 start_new_session=True, preexec_fn=functools.partial(_child_setup, config, uid, nproc))
         except (OSError, subprocess.SubprocessError, ValueError) as e:
@@ -302,6 +403,8 @@ async def run_python_async(code: str, config: SandboxConfig = SandboxConfig(), s
                 _kill_uid(uid)
             proc._transport.close()     # no public close; else it warns when collected after the loop
         shutil.rmtree(tmp, ignore_errors=True)
+        if not private and run_uid is not None:
+            _remove_owned(run_uid)
 
 
 def run_python(code: str, config: SandboxConfig = SandboxConfig(), stdin: str = "") -> SandboxResult:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from arbor.tasks.splits import split_of
 
 from arbor.rollout.environment import ToolEnvironment
-from arbor.rollout.sandbox import SandboxConfig, run_python_async
+from arbor.rollout.sandbox import SandboxConfig, check_isolation, run_python_async
 
 
 SYSTEM_PROMPT = (
@@ -171,6 +171,9 @@ def demonstration(problem: PythonProblem) -> list[dict]:
 
 def make_environment(problem: PythonProblem, config: SandboxConfig = SandboxConfig(),
                      max_turns: int = 6) -> ToolEnvironment:
-    """A `ToolEnvironment` whose tool runs the model's code in the sandbox; reward 1.0 iff correct."""
+    """A `ToolEnvironment` whose tool runs the model's code in the sandbox; reward 1.0 iff correct.
+    Raises `SandboxUnavailable` at once when the sandbox would isolate weakly and ``config`` (or
+    ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1) does not allow it, rather than at the first tool call."""
+    check_isolation(config)
     return ToolEnvironment(SYSTEM_PROMPT, problem.question, lambda code: run_tool(code, config),
                            lambda text: float(is_correct(problem, text)), max_turns)
