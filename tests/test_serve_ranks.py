@@ -70,7 +70,8 @@ def _streamed(resp: httpx.Response) -> tuple[list[int], str, str]:
 def test_serve_over_two_ranks_matches_one_engine_and_shuts_down(moe_folder, one_thread):
     port = free_port()
     log = open(moe_folder.parent / "server.log", "w+")
-    cmd = [sys.executable, "-m", "arbor.cli", "serve", str(moe_folder), "--ranks", "2", "--port", str(port), *LIMITS]
+    cmd = [sys.executable, "-m", "arbor.cli", "serve", str(moe_folder), "--ranks", "2", "--port", str(port), *LIMITS,
+           "--enable-weight-updates"]         # so that the update reaches the refusal of --ranks
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     kids = []
     try:
