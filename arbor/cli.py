@@ -42,9 +42,29 @@ def _run_bench(a):
     return module.main(args)
 
 
-def _config_args(p) -> None:
+class ArborParser(argparse.ArgumentParser):
+    """A subcommand parser; a job's (``config="module:Class"``) --help lists its config's keys, built
+    only when asked so that ``arbor`` starts without importing the trainers."""
+
+    def __init__(self, *args, config: str | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.config = config
+
+    def format_help(self) -> str:
+        if self.config and self.epilog is None:
+            from arbor import configs
+            module, name = self.config.split(":")
+            self.epilog = configs.help_text(getattr(importlib.import_module(module), name))
+        return super().format_help()
+
+
+def _job_parser(sub, name: str, help: str, config: str):
+    """A job subcommand: ``arbor NAME [cfg.toml] [key=value …]``; its --help lists every key."""
+    p = sub.add_parser(name, help=help, description=help, config=config,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=50 loss.correction=tis")
+    return p
 
 
 def _split_config(args):
@@ -55,23 +75,23 @@ def _split_config(args):
 
 
 def add_sft(sub) -> None:
-    p = sub.add_parser("sft", help="warm-start a model on a task's demonstrations (next-token SFT)")
-    _config_args(p)
+    p = _job_parser(sub, "sft", "warm-start a model on a task's demonstrations (next-token SFT)",
+                    "arbor.train.sft:SFTRunConfig")
 
     def run(a):
         from arbor import configs
         from arbor.train.sft import SFTRunConfig, run_sft
         path, over = _split_config(a)
         cfg = configs.load(SFTRunConfig, path, over)
-        run_sft(cfg, on_log=print)
+        run_sft(cfg)
         print(f"saved {cfg.out}")
 
     p.set_defaults(func=run)
 
 
 def add_train(sub) -> None:
-    p = sub.add_parser("train", help="RL on a task: rollout trees, GRPO/PPO with IcePop or TIS, C3PO++")
-    _config_args(p)
+    p = _job_parser(sub, "train", "RL on a task: rollout trees, GRPO/PPO with IcePop or TIS, C3PO++",
+                    "arbor.train.rl:RLConfig")
 
     def run(a):
         from arbor import configs
@@ -99,8 +119,8 @@ def add_eval(sub) -> None:
 
 
 def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on the built-in task: SFT a tiny model, then RL")
-    _config_args(p)
+    p = _job_parser(sub, "demo", "the main job on the built-in task: SFT a tiny model, then RL",
+                    "arbor.train.demo:DemoConfig")
 
     def run(a):
         from arbor import configs
@@ -112,38 +132,29 @@ def add_demo(sub) -> None:
 
 
 def add_dllm_train(sub) -> None:
-    p = sub.add_parser("dllm-train", help="masked-diffusion SFT of a tiny block-diffusion model on built-in tasks")
-    p.add_argument("--out", required=True, help="HF-layout checkpoint folder to write")
-    _config_args(p)
+    p = _job_parser(sub, "dllm-train", "masked-diffusion SFT of a tiny block-diffusion model on built-in tasks",
+                    "arbor.train.diffusion:DiffusionTrainConfig")
 
     def run(a):
         from arbor import configs
         from arbor.train.diffusion import DiffusionTrainConfig, train_from_config
         path, over = _split_config(a)
-        train_from_config(configs.load(DiffusionTrainConfig, path, over), out_dir=a.out)
-        print(f"saved {a.out}")
+        cfg = configs.load(DiffusionTrainConfig, path, over)
+        train_from_config(cfg)
+        print(f"saved {cfg.out}")
 
     p.set_defaults(func=run)
 
 
 def add_dllm_distill(sub) -> None:
-    p = sub.add_parser("dllm-distill", help="TAD trajectory self-distillation → Quality and Speed students")
-    p.add_argument("--model", required=True, help="block-diffusion checkpoint (teacher and initial student)")
-    p.add_argument("--out", required=True, help="folder for the quality/ and speed/ students")
-    p.add_argument("--mode", choices=["quality", "speed", "both"], default="both")
-    p.add_argument("--per-task", type=int, default=1000, help="training prompts per task for the teacher")
-    p.add_argument("--tasks", nargs="+", help="distil on these tasks only (default: every built-in task); "
-                   "one task gives students specialised to it")
-    p.add_argument("--device", default="cpu")
-    _config_args(p)
+    p = _job_parser(sub, "dllm-distill", "TAD trajectory self-distillation → Quality and Speed students",
+                    "arbor.train.distill:DistillRunConfig")
 
     def run(a):
         from arbor import configs
-        from arbor.train.distill import TADConfig, distill_folder
+        from arbor.train.distill import DistillRunConfig, distill_folder
         path, over = _split_config(a)
-        modes = ("quality", "speed") if a.mode == "both" else (a.mode,)
-        for mode, folder in distill_folder(a.model, a.out, configs.load(TADConfig, path, over), modes,
-                                           tasks=a.tasks, per_task=a.per_task, device=a.device).items():
+        for mode, folder in distill_folder(configs.load(DistillRunConfig, path, over)).items():
             print(f"{mode}: saved {folder}")
 
     p.set_defaults(func=run)
@@ -363,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mismatch-safe objectives, MoE and block-diffusion models. Jobs (sft, train, demo, dllm-train, "
         "dllm-distill) take [cfg.toml] key=value …; tools (generate, eval, serve, bench, launch, plan) take flags. "
         "`arbor COMMAND --help` for each."))
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArborParser)
     for add in SUBCOMMANDS:
         add(sub)
     return parser

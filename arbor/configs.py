@@ -123,5 +123,32 @@ def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
     return cfg
 
 
+def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, one-line doc) for every key of a config dataclass, nested sections
+    included; the doc is the field's trailing ``# comment`` in the class source."""
+    import inspect
+    import re
+    try:
+        docs = dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
+    except (OSError, TypeError):
+        docs = {}
+    obj, out = cls(), []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += describe(type(value), f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "").strip()))
+    return out
+
+
+def help_text(cls) -> str:
+    """The keys of a job's config for ``arbor JOB --help``."""
+    rows = describe(cls)
+    width = max(len(f"{k}={d}") for k, d, _ in rows)
+    return "keys (key=value; defaults shown):\n" + "\n".join(
+        f"  {f'{k}={d}':<{width}}  {doc}".rstrip() for k, d, doc in rows)
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)

@@ -15,7 +15,7 @@ def test_demo_stops_sft_at_the_check_then_runs_rl_and_writes_results(tmp_path):
     (tmp_path / "rl").mkdir()
     (tmp_path / "rl" / "stale").write_text("from an earlier run")
     result = demo(cfg)
-    sft_history = json.loads((tmp_path / "sft" / "sft_history.json").read_text())
+    sft_history = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert sft_history[-1]["step"] == 2                # target 0 is met at the first check, after step 3
     assert not (tmp_path / "rl" / "stale").exists()
     assert json.loads((tmp_path / "demo.json").read_text()) == result

@@ -1,5 +1,6 @@
 """Masked-diffusion SFT (sample construction, loss, training), built-in tasks, checkpoints, CLI."""
 
+import json
 import random
 
 import pytest
@@ -99,7 +100,9 @@ def test_cli_dllm_train_then_generate(tmp_path, capsys):
     out = tmp_path / "dllm"
     words = ["steps=2", "train_per_task=8", "batch_size=4", "model.hidden_size=32", "model.intermediate_size=64",
              "model.num_hidden_layers=1", "model.head_dim=8", "model.block_size=8"]
-    assert cli_main(["dllm-train", "--out", str(out), *words]) == 0
+    assert cli_main(["dllm-train", f"out={out}", *words]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and {"loss", "lr", "grad_norm", "tokens", "seconds"} <= rows[0].keys()
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
     assert cli_main(["generate", str(out), "add:1+2=", "--mode", "speed", "--editing-threshold", "none",
                      "--gen-length", "6"]) == 0
@@ -112,8 +115,8 @@ def test_cli_dllm_train_then_generate(tmp_path, capsys):
     assert sum(int(s.split("+")[-1].split()[0]) for s in steps) == 6          # every mask filled exactly once
     assert sum(int(s.split(", ")[-1].split()[0]) for s in steps) == int(head.split(" edits")[0].split()[-1])
     # an untrained teacher decodes no task correctly, so TAD must refuse rather than train on nothing
-    assert cli_main(["dllm-distill", "--model", str(out), "--out", str(tmp_path / "tad"), "--per-task", "2",
-                     "steps=2", "batch_size=2"]) == 2
+    assert cli_main(["dllm-distill", f"model={out}", f"out={tmp_path / 'tad'}", "per_task=2",
+                     "tad.steps=2", "tad.batch_size=2"]) == 2
     assert "no correct teacher trajectory" in capsys.readouterr().err
-    assert cli_main(["dllm-distill", "--model", str(out), "--out", str(tmp_path / "tad"), "--tasks", "chess"]) == 2
-    assert "unknown task(s) ['chess']" in capsys.readouterr().err
+    assert cli_main(["dllm-distill", f"model={out}", f"out={tmp_path / 'tad'}", "tasks=['chess']"]) == 2
+    assert "tasks must name tasks of" in capsys.readouterr().err

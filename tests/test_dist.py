@@ -130,7 +130,7 @@ def test_two_rank_rl_run_saves_one_hf_folder_and_resumes(tmp_path):
     from arbor.train.rl import RLConfig
     from arbor.train.run import train
     with pytest.raises(ValueError, match="written by 2 rank"):        # another world size is refused
-        train(configs.load(RLConfig, None, ["steps=4", *common]), progress=False)
+        train(configs.load(RLConfig, None, ["steps=4", "log.progress=false", *common]))
 
 
 def test_ep_load_reads_only_the_ranks_experts_and_save_gathers(tmp_path):

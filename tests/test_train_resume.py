@@ -2,6 +2,8 @@
 checkpoints and started again end with the same weights and logs, bit for bit, as an uninterrupted
 run; a checkpoint of other settings is refused; the CLI resumes from ``out/checkpoint``."""
 
+import json
+
 import pytest
 import torch
 
@@ -117,8 +119,9 @@ def test_cli_sft_resumes_from_its_checkpoint(tmp_path, capsys):
     assert (out / "checkpoint" / "trainer.pt").exists()
     capsys.readouterr()
     assert cli_main(["sft", *words, "train.steps=3"]) == 0          # more steps: continues from step 2
-    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert len(logged) == 1 and "'step': 2" in logged[0]
+    assert "sft: resumed from step 2" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]                     # one row per step, none twice
     assert load_model(out).config.num_hidden_layers > 0
     # other data into the same folder: refused (the run's settings, not only the optimizer's, must match)
     assert cli_main(["sft", *words, "train.steps=3", "demos=20"]) == 2

@@ -23,6 +23,7 @@ from pathlib import Path
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
 from arbor.train.rl import C3POConfig, RLConfig
+from arbor.train.run_log import LogConfig
 from arbor.train.sft import SFTConfig, SFTRunConfig
 
 
@@ -34,12 +35,12 @@ class DemoConfig:
     sft_target: float = 0.15       # SFT stops once greedy accuracy on training-split problems reaches this
     sft_check_every: int = 100     # … checked every this many SFT steps (sft.train.steps is the most)
     sft_check_problems: int = 100
-    sft: SFTRunConfig = field(default_factory=lambda: SFTRunConfig(
-        model="tiny", demos=4000, demo_options={"mental_rate": 0.7},
+    sft: SFTRunConfig = field(default_factory=lambda: SFTRunConfig(   # the demo prints its own progress lines
+        model="tiny", demos=4000, demo_options={"mental_rate": 0.7}, log=LogConfig(progress=False),
         train=SFTConfig(steps=1500, batch_tokens=4096, log_every=50,
                         optim=OptimConfig(lr=3e-3, warmup_steps=20, min_lr_ratio=1.0))))
     rl: RLConfig = field(default_factory=lambda: RLConfig(
-        steps=30, eval_every=10, checkpoint_every=10,
+        steps=30, eval_every=10, checkpoint_every=10, log=LogConfig(progress=False),
         rollout=RolloutConfig(max_turn_tokens=24, max_context=400, temperature=0.7, branch=[4, 2]),
         optim=OptimConfig(lr=1e-4, warmup_steps=5, betas=(0.9, 0.999), min_lr_ratio=1.0),
         c3po=C3POConfig(enabled=True, token_budget=3000, capacity=24, max_age=2)))

@@ -32,6 +32,7 @@ from arbor.models import CausalLM, ModelConfig
 from arbor.tasks import addition, countdown, sudoku
 from arbor.train.loop import train_loop
 from arbor.train.optim import OptimConfig
+from arbor.train.run_log import LogConfig, RunLog
 
 TASKS = {"sudoku": sudoku, "addition": addition, "countdown": countdown}
 EPS = 1e-3
@@ -51,6 +52,7 @@ class DiffusionModelConfig:
 @dataclass
 class DiffusionTrainConfig:
     """`arbor dllm-train`'s recipe; the defaults are the base model of `arbor bench dllm`."""
+    out: str = "runs/dllm"               # HF-layout folder written (metrics.jsonl, checkpoint/ inside)
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     train_per_task: int = 4000
     steps: int = 2500
@@ -64,6 +66,15 @@ class DiffusionTrainConfig:
     device: str = "cpu"
     model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=50))
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> None:
+        from arbor.configs import check
+        check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.batch_size >= 1, "batch_size", "must be ≥ 1"),
+              (all(t in TASKS for t in self.tasks) and self.tasks, "tasks", f"must be a non-empty list of {sorted(TASKS)}"),
+              (self.train_per_task >= 1, "train_per_task", "must be ≥ 1"), (self.log_every >= 1, "log_every", "must be ≥ 1"),
+              (0 <= self.corrupt_prob <= 1, "corrupt_prob", "must be in [0, 1]"),
+              (0 <= self.reference_fraction <= 1, "reference_fraction", "must be in [0, 1]"))
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,7 @@ def diffusion_loss(model, samples) -> torch.Tensor:
 
 
 def train_diffusion(model, examples: list[Example], cfg: DiffusionTrainConfig, on_log=None, until=None,
-                    checkpoint_dir=None) -> list[dict]:
+                    checkpoint_dir=None, run_log=None) -> list[dict]:
     """Masked-diffusion SFT in place (see module docstring), resuming from ``checkpoint_dir`` when it
     holds a checkpoint (``arbor.train.loop``); returns the logged metrics."""
     mask_id, B = model.config.mask_token_id, model.config.block_size
@@ -183,14 +194,16 @@ def train_diffusion(model, examples: list[Example], cfg: DiffusionTrainConfig, o
                    for e in batch]
         loss = diffusion_loss(model, samples)
         loss.backward()
-        return {"loss": loss.detach()}
+        return {"loss": loss.detach(), "tokens": sum(len(s[0]) for s in samples)}
 
-    return train_loop(model, cfg, step, on_log, until, checkpoint_dir)
+    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, run_log=run_log)
 
 
-def train_from_config(cfg: DiffusionTrainConfig, out_dir=None, on_log=print):
-    """Build the tokenizer, data and model; train; save an HF-layout folder when ``out_dir`` is given
-    (resumable: checkpoints go to ``out_dir/checkpoint`` every ``cfg.checkpoint_every`` steps)."""
+def train_from_config(cfg: DiffusionTrainConfig, out_dir=None, on_log=None):
+    """Build the tokenizer, data and model; train; save an HF-layout folder to ``out_dir`` (default
+    ``cfg.out``; resumable: checkpoints go to ``out_dir/checkpoint`` every ``cfg.checkpoint_every``
+    steps, rows to ``out_dir/metrics.jsonl``)."""
+    out_dir = out_dir or cfg.out or None
     from arbor.models import save_model
     from arbor.models.tokenizer import builtin_tokenizer
     tok = builtin_tokenizer()
@@ -198,8 +211,9 @@ def train_from_config(cfg: DiffusionTrainConfig, out_dir=None, on_log=print):
     for i, task in enumerate(cfg.tasks):
         examples += task_examples(tok, task, cfg.train_per_task, cfg.seed + i, "train", cfg.model.block_size)[1]
     model = build_model(tok, cfg.model, cfg.seed).to(cfg.device)
+    run_log = None if out_dir is None else RunLog(out_dir, cfg, cfg.steps, cfg.log, name="dllm-train")
     history = train_diffusion(model, examples, cfg, on_log,
-                              checkpoint_dir=None if out_dir is None else Path(out_dir) / "checkpoint")
+                              checkpoint_dir=None if out_dir is None else Path(out_dir) / "checkpoint", run_log=run_log)
     if out_dir is not None:
         save_model(model, out_dir, tokenizer=tok)
     return model, tok, history

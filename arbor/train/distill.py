@@ -32,6 +32,7 @@ from arbor.engine.diffusion import DecodeConfig, diffusion_generate
 from arbor.train.diffusion import Example, PaddedBlockAttention
 from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
+from arbor.train.run_log import LogConfig, RunLog
 
 QUALITY_DELTA, SPEED_DELTA = 2, 8
 
@@ -156,7 +157,7 @@ def _forward_rows(model, prompts, states, regions):
 
 
 def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=None, on_log=None, until=None,
-            checkpoint_dir=None, settings=None) -> list[dict]:
+            checkpoint_dir=None, settings=None, run_log=None) -> list[dict]:
     """Train ``student`` in place on TAD pairs; ``teacher`` defaults to a frozen copy of it. Resumes
     from ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``)."""
     teacher = teacher if teacher is not None else copy.deepcopy(student)
@@ -180,9 +181,9 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
             visible = torch.cat([(tr.states[b[1]] != mask_id)[b[2]] for tr, b in zip(trajs, batch)]).to(student.device)
         parts = tad_loss(logits_s, logits_t, sel(5), sel(3), sel(4), visible, cfg.visible_weight)
         parts["loss"].backward()
-        return {k: v.detach() for k, v in parts.items()}
+        return {**{k: v.detach() for k, v in parts.items()}, "tokens": int(sel(5).numel())}
 
-    return train_loop(student, cfg, step, on_log, until, checkpoint_dir, settings)
+    return train_loop(student, cfg, step, on_log, until, checkpoint_dir, settings, run_log=run_log)
 
 
 def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:
@@ -214,31 +215,54 @@ def cached_trajectories(path, key: dict, record) -> list[Trajectory]:
     return trajectories
 
 
-def distill_folder(model_dir, out_dir, cfg: TADConfig, modes=("quality", "speed"), tasks=None,
-                   per_task: int = 1000, device: str = "cpu", on_log=print) -> dict:
+@dataclass
+class DistillRunConfig:
+    """``arbor dllm-distill``: TAD students of a block-diffusion checkpoint."""
+    model: str = ""                      # block-diffusion checkpoint (teacher and initial student)
+    out: str = "runs/tad"                # folder for the quality/ and speed/ students (each an HF folder)
+    mode: str = "both"                   # quality | speed | both
+    per_task: int = 1000                 # training prompts per task for the teacher
+    tasks: list[str] = field(default_factory=list)   # distil on these tasks only (empty: every built-in task)
+    device: str = "cpu"
+    tad: TADConfig = field(default_factory=TADConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self) -> None:
+        from arbor.configs import check
+        from arbor.train.diffusion import TASKS
+        check(self, (bool(self.model), "model", "must name a block-diffusion checkpoint folder (model=DIR)"),
+              (self.mode in ("quality", "speed", "both"), "mode", "must be quality, speed or both"),
+              (self.per_task >= 1, "per_task", "must be ≥ 1"),
+              (all(t in TASKS for t in self.tasks), "tasks", f"must name tasks of {sorted(TASKS)}"))
+
+
+def distill_folder(cfg: DistillRunConfig, on_log=None) -> dict:
     """Load a block-diffusion checkpoint, record its trajectories, write one student per mode
-    (``out_dir/quality`` with Δ = QUALITY_DELTA, ``out_dir/speed`` with Δ = SPEED_DELTA unless
-    ``cfg.delta`` is set for a single mode) as HF-layout folders; → {mode: folder}. Nothing is
-    lost to a crash: the trajectories are kept in ``out_dir/trajectories.pt`` and each student's
-    training resumes from ``out_dir/<mode>/checkpoint``."""
+    (``out/quality`` with Δ = QUALITY_DELTA, ``out/speed`` with Δ = SPEED_DELTA unless ``tad.delta``
+    is set for a single mode) as HF-layout folders; → {mode: folder}. Nothing is lost to a crash: the
+    trajectories are kept in ``out/trajectories.pt`` and each student's training resumes from
+    ``out/<mode>/checkpoint`` (rows in ``out/<mode>/metrics.jsonl``)."""
     from dataclasses import replace
 
     from arbor.models import load_model, save_model
     from arbor.models.tokenizer import Tokenizer
     from arbor.train.diffusion import TASKS
+    model_dir, out_dir, device = cfg.model, Path(cfg.out), cfg.device
+    modes = ("quality", "speed") if cfg.mode == "both" else (cfg.mode,)
     tok = Tokenizer.load(model_dir)
     teacher = load_model(model_dir, device=device).eval()
-    source = {"teacher": str(Path(model_dir).resolve()), "tasks": list(tasks or TASKS), "per_task": per_task,
-              "seed": cfg.seed}
-    trajectories = cached_trajectories(Path(out_dir) / "trajectories.pt", source, lambda: teacher_trajectories(
-        teacher, tok, source["tasks"], per_task, cfg.seed))
-    on_log({"correct_trajectories": len(trajectories)})
+    source = {"teacher": str(Path(model_dir).resolve()), "tasks": list(cfg.tasks or TASKS), "per_task": cfg.per_task,
+              "seed": cfg.tad.seed}
+    trajectories = cached_trajectories(out_dir / "trajectories.pt", source, lambda: teacher_trajectories(
+        teacher, tok, source["tasks"], cfg.per_task, cfg.tad.seed))
+    print(f"TAD: {len(trajectories)} correct teacher trajectories", flush=True)
     out = {}
     for mode in modes:
-        delta = cfg.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
+        delta = cfg.tad.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
         student = load_model(model_dir, device=device)
-        mode_cfg = replace(cfg, delta=delta)
-        distill(student, trajectories, mode_cfg, teacher=teacher, on_log=on_log,
-                checkpoint_dir=Path(out_dir) / mode / "checkpoint", settings={**source, "tad": settings_of(mode_cfg)})
-        out[mode] = save_model(student, Path(out_dir) / mode, tokenizer=tok)
+        mode_cfg = replace(cfg.tad, delta=delta)
+        run_log = RunLog(out_dir / mode, cfg, mode_cfg.steps, cfg.log, name=f"tad-{mode}")
+        distill(student, trajectories, mode_cfg, teacher=teacher, on_log=on_log, checkpoint_dir=out_dir / mode / "checkpoint",
+                settings={**source, "tad": settings_of(mode_cfg)}, run_log=run_log)
+        out[mode] = save_model(student, out_dir / mode, tokenizer=tok)
     return out

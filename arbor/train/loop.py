@@ -26,7 +26,7 @@ from arbor.dist import DistContext
 from arbor.train.optim import make_optimizer, optimizer_step
 
 RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out",
-                     "timeout_s")
+                     "timeout_s", "log")
 
 
 def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=None) -> None:
@@ -182,14 +182,15 @@ def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
 
 
 def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None, settings=None,
-               ctx=None) -> list[dict]:
+               ctx=None, run_log=None) -> list[dict]:
     """Train ``model`` in place for ``cfg.steps`` steps (see module docstring); → the logged rows.
 
     ``cfg`` needs ``steps``, ``seed``, ``log_every``, ``checkpoint_every`` (0: never) and ``optim``.
     ``until(step)`` is asked after each step and ends training early when true. With
     ``checkpoint_dir`` None nothing is written. ``settings`` (default ``settings_of(cfg)``) is what a
     checkpoint must match to be resumed: callers pass the whole run's (model, data, …). ``ctx``: the
-    rank context of a multi-rank run (gradients summed over ranks before each optimizer step)."""
+    rank context of a multi-rank run (gradients summed over ranks before each optimizer step).
+    ``run_log``: a ``RunLog`` that gets every logged row (started at the first step run)."""
     rng = random.Random(cfg.seed)
     opt = make_optimizer(model, cfg.optim)
     start, history = 0, []
@@ -199,6 +200,8 @@ def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None
         if state is not None:
             start, history = state["step"], state["history"]
             rng.setstate(state["rng"])
+    if run_log is not None:
+        run_log.start(start)
     model.train()
     for step in range(start, cfg.steps):
         logged = step_fn(rng)
@@ -208,6 +211,8 @@ def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None
             stop = bool(ctx.flags_max(float(stop), name="early stop")[0])
         if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
             row = {"step": step, **{k: float(v) for k, v in logged.items()}, **stats}
+            if run_log is not None:
+                row = run_log.log(row)
             history.append(row)
             if on_log and (ctx is None or ctx.is_main):
                 on_log(row)
@@ -217,5 +222,7 @@ def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None
                                                     "settings": settings}, ctx=ctx)
         if stop:
             break
+    if run_log is not None:
+        run_log.close()
     model.eval()
     return history

@@ -23,7 +23,6 @@ each rank's state and resumes only at the same world size.
 from __future__ import annotations
 
 import copy
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from arbor.train.advantages import group_advantages
 from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
+from arbor.train.run_log import LogConfig, RunLog
 from arbor.train.distributed import global_count, run_idle_passes, set_recompute
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
@@ -93,6 +93,7 @@ class RLConfig:
     c3po: C3POConfig = field(default_factory=C3POConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
     plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
+    log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
 
     def validate(self) -> None:
         check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.groups_per_step >= 1, "groups_per_step", "must be ≥ 1"),
@@ -274,6 +275,7 @@ class RLTrainer:
                 loss = loss + aux_coef * aux[0] * len(micro) / n
                 stats["moe_aux"] = stats.get("moe_aux", 0.0) + float(aux[0].detach()) * len(micro) / n
             loss.backward()
+            stats["loss_sum"] = stats.get("loss_sum", 0.0) + float(loss.detach())
             w = st.pop("tokens")
             for k, v in st.items():
                 stats[k] = max(stats.get(k, 0.0), v) if k == "max_k" else stats.get(k, 0.0) + v * w
@@ -285,13 +287,14 @@ class RLTrainer:
         keys = [k for k in SUMMED_STATS if (k != "moe_aux" or aux) and (k != "kl_ref" or self.reference is not None)]
         sums = [stats.get(k, 0.0) for k in keys] + [stats.get("tokens", 0.0)]
         max_k = stats.get("max_k", 0.0)
+        sums.append(stats.get("loss_sum", 0.0))
         if self.ctx.distributed:
             sums = self.ctx.sum_floats(sums, "loss stats")
             max_k = self.ctx.flags_max(max_k, name="max k")[0]
-        tokens = sums[-1]
+        tokens, loss_sum = sums[-2], sums[-1]
         steps = self.cfg.ppo_epochs * self.cfg.mini_batches
         out = {k: v / steps if k == "moe_aux" else v / max(1.0, tokens) for k, v in zip(keys, sums)}
-        return {**out, "max_k": max_k, "tokens": tokens / self.cfg.ppo_epochs}
+        return {**out, "loss": loss_sum / steps, "max_k": max_k, "tokens": tokens / self.cfg.ppo_epochs}
 
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
@@ -373,28 +376,21 @@ class RLTrainer:
         out = Path(self.cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         ckpt = out / "checkpoint"
-        resumed = self.cfg.resume and self.load(ckpt)
-        path = out / "metrics.jsonl"
-        if self.ctx.is_main and path.exists():     # rows of steps to be redone (after the checkpoint) go
-            keep = [line for line in path.read_text().splitlines()
-                    if resumed and json.loads(line)["step"] < self.step]
-            path.write_text("".join(line + "\n" for line in keep))
-        metrics = path.open("a") if self.ctx.is_main else None
+        if self.cfg.resume:
+            self.load(ckpt)
+        run_log = RunLog(out, self.cfg, self.cfg.steps, self.cfg.log, self.ctx.is_main, "rl").start(self.step)
         done = 0
         while self.step < self.cfg.steps and (stop_after is None or done < stop_after):
             row = await self.train_step()
             if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
                 row["test_accuracy"] = await self.evaluate()
+            row = run_log.log(row)
             self.history.append(row)
-            if metrics is not None:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
             if on_row and self.ctx.is_main:
                 on_row(row)
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.save(ckpt)
             done += 1
-        if metrics is not None:
-            metrics.close()
+        run_log.close()
         return self.history
 

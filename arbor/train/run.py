@@ -8,7 +8,6 @@ that ``update_weights`` refreshes after every optimizer step.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import torch
@@ -73,38 +72,14 @@ def plot_history(history: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def train(cfg, progress: bool = True) -> list[dict]:
-    from tqdm import tqdm
-
-    from arbor import configs
+def train(cfg) -> list[dict]:
+    """``arbor train``: build and run the trainer (``RLTrainer.run`` logs every step through
+    ``RunLog``: OUT/metrics.jsonl, TensorBoard, W&B, progress bar), plot the rewards, save OUT/final."""
     trainer = build_trainer(cfg)
-    main = trainer.ctx.is_main                   # rank 0 logs; every rank trains and checkpoints
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if main:
-        (out / "config.json").write_text(json.dumps(configs.to_dict(cfg), indent=2))
-    bar = tqdm(total=cfg.steps, disable=not (progress and main), desc="rl")
-    writer = None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(out / "tb")) if main else None
-    except ImportError:
-        pass
-
-    def on_row(row):
-        bar.n = row["step"] + 1
-        bar.set_postfix(reward=f"{row.get('reward', 0):.2f}", masked=f"{row.get('masked_frac', 0):.4f}")
-        bar.refresh()
-        if writer:
-            for k, v in row.items():
-                if isinstance(v, (int, float)):
-                    writer.add_scalar(k, v, row["step"])
-
-    history = asyncio.run(trainer.run(on_row))
-    bar.close()
-    if main:
-        plot_history(history, out / "reward.png", f"{cfg.task} RL")
-    trainer.save(out / "final")
+    history = asyncio.run(trainer.run())
+    if trainer.ctx.is_main:
+        plot_history(history, Path(cfg.out) / "reward.png", f"{cfg.task} RL")
+    trainer.save(Path(cfg.out) / "final")
     return history
 
 

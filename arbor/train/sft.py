@@ -24,6 +24,7 @@ from arbor.dist import DistConfig, DistContext
 from arbor.train.distributed import run_idle_passes, set_recompute
 from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
+from arbor.train.run_log import LogConfig, RunLog
 from arbor.train.tree_batch import TreeConfig
 from arbor.train.tree_forward import tree_packed_logprobs
 from arbor.train.tree_plan import assign_lpt, first_fit_decreasing
@@ -58,7 +59,7 @@ def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
 
 
 def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_log=None, until=None,
-        checkpoint_dir=None, settings=None, ctx: DistContext | None = None) -> list[dict]:
+        checkpoint_dir=None, settings=None, ctx: DistContext | None = None, run_log=None) -> list[dict]:
     """examples: (ids, loss_mask) pairs. Trains ``model`` in place for ``cfg.steps`` steps, or
     until ``until(step)`` (called after each optimizer step) says stop, resuming from
     ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``);
@@ -95,9 +96,9 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
             loss_sum += float(loss.detach())
         run_idle_passes(model, max(map(len, shares)) - len(mine))
         loss_sum, aux_sum = ctx.sum_floats([loss_sum, aux_sum]) if ctx.distributed else (loss_sum, aux_sum)
-        return {"loss": loss_sum, **({"moe_aux": aux_sum} if aux_coef else {})}
+        return {"loss": loss_sum, "tokens": n_tokens, **({"moe_aux": aux_sum} if aux_coef else {})}
 
-    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, settings, ctx)
+    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, settings, ctx, run_log)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class SFTRunConfig:
     device: str = "cpu"                                # e.g. {mental_rate = 0.6} for arithmetic
     train: SFTConfig = field(default_factory=SFTConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
+    log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
 
     def validate(self) -> None:
         if self.demos < 1:
@@ -118,12 +120,11 @@ class SFTRunConfig:
 
 
 def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
-    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer) and history.json, and
+    """→ (model, tokenizer, history); writes ``cfg.out`` (model + tokenizer, ``metrics.jsonl``), and
     resumes from ``cfg.out/checkpoint`` when an earlier run left one there.
     ``until(model, tokenizer, step) -> bool`` may end training early (see ``sft``). Under ``arbor
     launch`` / torchrun the ranks split each batch (experts over ``dist.ep_size`` ranks for an MoE
     model) and rank 0 writes the one HF folder."""
-    import json
     from pathlib import Path
 
     from arbor.dist import init_distributed
@@ -149,10 +150,10 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
     examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
     stop = None if until is None else (lambda step: until(model, tok, step))
-    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg), ctx)
+    run_log = RunLog(cfg.out, cfg, cfg.train.steps, cfg.log, enabled=ctx.is_main, name="sft")
+    history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg), ctx, run_log)
     tensors = gather_hf_tensors(model, ctx) if ctx.ep_size > 1 else None
     if ctx.is_main:
         save_model(model, cfg.out, tokenizer=tok, tensors=tensors)
-        (Path(cfg.out) / "sft_history.json").write_text(json.dumps(history, indent=1))
     ctx.barrier("sft: saved")
     return model, tok, history
