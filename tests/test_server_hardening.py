@@ -173,10 +173,11 @@ def test_bad_chat_messages_get_400(server, messages):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
 
 
-def test_a_batch_with_one_bad_prompt_queues_nothing(server):
+@pytest.mark.parametrize("bad", [[1, 2, 9999], "bad \udfff", "x" * 200_000])
+def test_a_batch_with_one_bad_prompt_queues_nothing(server, bad):
     client, engine, _ = server
     steps = engine.engine.num_steps
-    r = post(client, {"model": "tiny", "prompt": ["fine", [1, 2, 9999]], "max_tokens": 50})
+    r = post(client, {"model": "tiny", "prompt": ["fine", bad], "max_tokens": 50})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt 1:")
     time.sleep(0.05)
     assert engine.engine.num_steps == steps and not engine.engine.requests

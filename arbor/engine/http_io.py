@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from arbor.engine.openai_protocol import RequestError
@@ -56,11 +57,14 @@ async def read_json(request, limit: int) -> dict:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise RequestError("the client left before sending the whole body", None, "client_disconnected", 499) from None
     raw = b"".join(chunks)
     try:
         if len(raw) > BIG_BODY:

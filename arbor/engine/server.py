@@ -66,6 +66,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
     if cfg.api_key:
         app.add_middleware(BearerAuth, api_key=cfg.api_key)
     tok = engine.tokenizer
+    engine.max_prompt_chars         # measured now (a pass over the vocabulary), not inside a request
     card = {"id": model_name, "object": "model", "owned_by": "arbor", "max_model_len": engine.engine.max_model_len}
 
     @app.exception_handler(RequestError)
