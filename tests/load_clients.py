@@ -48,7 +48,8 @@ async def leave(client, i: int):
 
 
 async def bad(client, raw: str):
-    r = await client.post("/v1/completions", content=raw.encode("latin-1"), headers={"content-type": "application/json"})
+    r = await client.post("/v1/completions", content=raw.encode("latin-1"),
+                          headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     return r.json()["error"]["message"]
 

@@ -168,8 +168,8 @@ LEFTOVERS = {"/tmp": "'/tmp/arbor-left-{}'", "/var/tmp": "'/var/tmp/arbor-left-{
 def write_then_read(tag: str, place: str, cfg: SandboxConfig):
     """Run 1 writes a secret at the place and prints its absolute path; run 2 tries to read it."""
     path = LEFTOVERS[place].format(tag)
-    first = run_python(f"import os\np = {path}\nopen(p, 'w').write('secret')\nprint(open(p).read(), os.path.abspath(p))",
-                       cfg)
+    first = run_python(f"import os\np = {path}\nopen(p, 'w').write('secret')\n"
+                       "print(open(p).read(), os.path.abspath(p))", cfg)
     second = run_python(f"p = {path}\ntry:\n    print(open(p).read())\nexcept OSError as e:\n"
                         "    print(type(e).__name__)", cfg)
     assert first.status == "ok" and first.stdout.startswith("secret"), first
@@ -196,8 +196,8 @@ def test_private_tmp_holds_only_the_run_and_is_size_limited():
 
 @NAMESPACES
 def test_the_program_holds_no_capability():
-    r = run_python("for line in open('/proc/self/status'):\n    if line.startswith('Cap'):\n        print(line.split()[1])",
-                   FAST)
+    code = "for line in open('/proc/self/status'):\n    if line.startswith('Cap'):\n        print(line.split()[1])"
+    r = run_python(code, FAST)
     assert r.stdout.split() == ["0000000000000000"] * 5, r.stdout
 
 

@@ -15,7 +15,7 @@ from arbor.engine import EngineConfig
 from arbor.engine.server import build_app
 from arbor.engine.server_config import ServerConfig
 from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
-from tests.server_helpers import running, sse_events, tiny_folder, wait_until
+from tests.server_helpers import running, tiny_folder, wait_until
 
 LONG = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 

@@ -23,8 +23,9 @@ from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
 from tests.server_helpers import running, tiny_folder, wait_until
 
 CFG = dict(max_model_len=512, max_num_seqs=64)
-BAD = ['{not json', '{"model": "tiny", "prompt": "x", "stop_token_ids": [[1]]}', '{"model": "tiny", "prompt": "x", "n": 99}',
-       '{"model": "tiny", "prompt": "bad \\ud800"}']
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BAD = ['{not json', '{"model": "tiny", "prompt": "x", "stop_token_ids": [[1]]}',
+       '{"model": "tiny", "prompt": "x", "n": 99}', '{"model": "tiny", "prompt": "bad \\ud800"}']
 
 
 def good_requests(tok) -> list[tuple[dict, list[int], SamplingParams]]:
@@ -71,7 +72,7 @@ def test_64_clients_a_quarter_leaving_early(tmp_path):
             poller.start()
             t0 = time.perf_counter()
             clients = subprocess.run([sys.executable, "-m", "tests.load_clients", url, str(tmp_path / "jobs.json")],
-                                     capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+                                     capture_output=True, text=True, timeout=60, cwd=REPO)
             wall = time.perf_counter() - t0
             eng = engine.engine
             drained = wait_until(lambda: not eng.has_unfinished() and not eng.requests, timeout=5)

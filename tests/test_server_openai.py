@@ -35,7 +35,8 @@ def client(folder):
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 def test_stream_options_include_usage(client, path, body):
     whole = client.post(path, json=body).json()
-    events = sse_events(client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}}).text)
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    events = sse_events(client.post(path, json={**body, **usage}).text)
     assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
     assert all(e["usage"] is None for e in events[:-1])
     plain = sse_events(client.post(path, json={**body, "stream": True}).text)
