@@ -381,7 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "generate" and not any(e.startswith("-") for e in extra):
+        args.prompts += extra          # prompts after options (`generate M "a" --max-tokens 5 "b"`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from arbor.dist import CollectiveError, TagMismatchError
     try:
         result = args.func(args)

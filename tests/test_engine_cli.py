@@ -20,6 +20,10 @@ def test_generate_prints_the_engine_completion(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--chat", "--temperature", "1", "--seed", "3",
                  "--max-tokens", "3"]) == 0
     assert main(["generate", str(tmp_path / "m")]) == 2
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "m"), "Hi", "--max-tokens", "5", "Ho"]) == 0   # prompts around options
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Hi" + ref.text + "\t[") and out[1].startswith("Ho")
 
 
 def test_serve_parser():

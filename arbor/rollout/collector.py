@@ -137,9 +137,10 @@ class Collector:
         return self._fork(nxt)
 
     async def run_iteration(self, pool: list[Episode], iteration: int, budget: int | None = None,
-                            new_group=None, capacity: int = 0, max_age: int | None = None):
+                            new_group=None, capacity: int = 0, max_age: int | None = None, on_finished=None):
         """Advance ``pool`` until finished groups hold ``budget`` model tokens (None: until every
         group finishes). ``new_group()`` → (env, task) refills the pool to ``capacity`` groups.
+        ``on_finished(tree)`` is called as each group finishes (progress reporting).
         Groups started more than ``max_age`` iterations ago (C3PO++'s σ) are dropped first.
         → (finished trees, episodes left for the next iteration, stats)."""
         dropped = 0
@@ -191,6 +192,8 @@ class Collector:
                     del open_eps[key]
                     tree = trees.pop(key)
                     finished.append(tree)
+                    if on_finished is not None:
+                        on_finished(tree)
                     done_tokens += sum(t.num_model_tokens for t in tree.trajectories())
             if budget is not None and done_tokens >= budget:
                 stop.set()

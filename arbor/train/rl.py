@@ -335,16 +335,19 @@ class RLTrainer:
         return row
 
     # ---- eval ---------------------------------------------------------------------------
-    async def evaluate(self, n: int | None = None, split: str = "test") -> float:
+    async def evaluate(self, n: int | None = None, split: str = "test", progress: bool = False) -> float:
         probs = self.task.generate(n or self.cfg.eval_problems, seed=self.cfg.seed + 1, split=split)
         cfg = RolloutConfig(**{**self.cfg.rollout.__dict__, "temperature": 0.0, "branch": [1]})
         collector = Collector(self.engine, self.tok, cfg, self.sampling_factory)
         pool = []
         W, r = self.ctx.world_size, self.ctx.rank
+        from tqdm import tqdm
+        bar = tqdm(total=len(probs[r::W]), desc="eval", disable=not (progress and self.ctx.is_main))
         async with self.engine.session():       # each rank its share of the problems
             for g, p in enumerate(probs[r::W]):
                 pool += await collector.start(self.task.make_env(p), g, p, 0)
-            trees, _, _ = await collector.run_iteration(pool, 0)
+            trees, _, _ = await collector.run_iteration(pool, 0, on_finished=lambda tree: bar.update(1))
+        bar.close()
         correct = sum(tree.trajectories()[0].reward for tree in trees)
         if self.ctx.distributed:
             correct = self.ctx.sum_floats([correct], "eval")[0]

@@ -87,4 +87,4 @@ def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu") -> f
     from arbor.train.rl import RLConfig
     cfg = RLConfig(model=model_dir, task=task, device=device, eval_problems=n)
     trainer = build_trainer(cfg)
-    return asyncio.run(trainer.evaluate(n))
+    return asyncio.run(trainer.evaluate(n, progress=True))
