@@ -1,0 +1,248 @@
+"""Likelihood estimators and the clipped objective of RL on block-diffusion LMs (LLaDA2.1's EBPO,
+and the one-step mean-field estimate of d1 / diffu-GRPO as the baseline).
+
+A sample is a prompt x (P tokens, absolute positions 0…P−1) and a response y (L tokens after it);
+block b covers absolute positions [b·B, (b+1)·B) and the response blocks are b0 = ⌊P/B⌋ … ⌊(P+L−1)/B⌋.
+
+EBPO (``elbo_blocks``): masking levels t_1…t_N (default 0.25, 0.5, 0.75, 1.0) with weights
+w_n = 1/(N·t_n), i.e. a midpoint-free N-point quadrature of LLaDA's bound E_{t~U(0,1]}[(1/t)·Σ_masked
+log p]. For each level, one forward over every sample's [noisy ⊕ clean] sequence:
+
+    noisy = x ⊕ y_{t_n} from block b0 on (each response token masked w.p. t_n; prompt tokens never),
+    clean = x ⊕ y       up to the start of the last response block (the keys later noisy blocks need),
+
+both at their absolute positions, with the block-causal mask M (BD3-LM): a noisy token of block b
+sees the noisy tokens of block b and the clean tokens of blocks < b; a clean token of block b sees
+the clean tokens of blocks ≤ b. So a noisy block computes exactly what the decoder computes for
+that block (finished blocks clean, this block noisy), and one forward gives every block's
+
+    ELBO_b = Σ_n w_n Σ_{i ∈ b, masked at t_n} log p_θ(y_i | z_n, x; M)
+
+(the mask token is excluded from the softmax, as in the decoder). Per block, r_b = exp(ELBO_b(θ) −
+ELBO_b(θ_old)) with the *same* masks for θ and θ_old (``draw_noise`` once per step), so r ≡ 1 at
+θ = θ_old exactly. ``elbo_blocks_loop`` computes the same value one block and one level at a time
+(the decoder's view: clean prefix ⊕ noisy block under ``BlockDiffusionAttention``); the tests hold
+the two equal.
+
+Mean field (``mean_field_logprobs``, d1): one forward of x̃ ⊕ [mask]^L, x̃ = the prompt with each
+token masked w.p. ``prompt_mask_prob`` (the same draw for θ and θ_old); the per-token log p(y_i)
+is the log-likelihood proxy and the ratio is per token.
+
+``ebpo_loss`` is the PPO surrogate of ``arbor.train.losses.policy_loss`` (asymmetric clip ε_low,
+ε_high, optional dual clip; no mismatch correction) over units — blocks for EBPO, tokens for mean
+field — averaged per sample over its units, then over samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from arbor.configs import check
+from arbor.models import BlockDiffusionAttention
+from arbor.train.losses import LossConfig, policy_loss
+
+ESTIMATORS = ("ebpo", "mean_field")
+
+
+@dataclass
+class Noise:
+    """One step's noise draws: ``levels`` [N] and, per level, per sample, a bool mask over the
+    response (True = masked); ``prompt_masks`` per sample over the prompt (mean field)."""
+    levels: list[float]
+    response_masks: list[list[torch.Tensor]]
+    prompt_masks: list[torch.Tensor]
+
+
+def draw_noise(prompt_lens: list[int], response_lens: list[int], levels, prompt_mask_prob: float = 0.15,
+               seed: int = 0) -> Noise:
+    g = torch.Generator().manual_seed(seed)
+    resp = [[torch.rand(n, generator=g) < t for n in response_lens] for t in levels]
+    prompt = [torch.rand(n, generator=g) < prompt_mask_prob for n in prompt_lens]
+    return Noise(list(levels), resp, prompt)
+
+
+def level_weights(levels) -> list[float]:
+    return [1.0 / (len(levels) * t) for t in levels]
+
+
+class NoisyCleanAttention:
+    """[noisy ⊕ clean] sequences as one padded SDPA batch with the mask of the module docstring.
+    ``pos`` and ``noisy`` are per-sequence [n] tensors (absolute position, noisy-copy flag)."""
+    cu_seqlens = None
+
+    def __init__(self, pos: list[torch.Tensor], noisy: list[torch.Tensor], block_size: int, device=None):
+        self.lengths = [len(p) for p in pos]
+        N, L = len(pos), max(self.lengths)
+        self._pos = torch.cat(pos).to(device)
+        r = torch.arange(L, device=device)
+        self.valid = r[None, :] < torch.tensor(self.lengths, device=device)[:, None]
+        starts = torch.tensor([0] + self.lengths[:-1], device=device).cumsum(0)
+        self.index = (starts[:, None] + r[None, :]).clamp(max=sum(self.lengths) - 1)
+        mask = torch.zeros(N, L, L, dtype=torch.bool, device=device)
+        for i, (p, z) in enumerate(zip(pos, noisy)):
+            b, z = (p // block_size).to(device), z.to(device)
+            bq, bk, zq, zk = b[:, None], b[None, :], z[:, None], z[None, :]
+            m = (zq & zk & (bk == bq)) | (zq & ~zk & (bk < bq)) | (~zq & ~zk & (bk <= bq))
+            mask[i, :len(p), :len(p)] = m
+            mask[i, len(p):, 0] = True            # padding queries: any key (their rows are dropped)
+        self.mask = mask[:, None]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def positions(self) -> torch.Tensor:
+        return self._pos
+
+    def attend(self, layer_idx, q, k, v, scale):
+        pad = lambda x: x[self.index].transpose(1, 2)
+        dtype = q.dtype
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)[self.valid].to(dtype)
+
+
+def _logp(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model.logits(hidden).float() if hidden.dtype != torch.float64 else model.logits(hidden)
+    logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == model.config.mask_token_id,
+                                float("-inf"))
+    return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+
+
+def _blocks(P: int, L: int, B: int) -> tuple[int, int]:
+    return P // B, (P + L - 1) // B
+
+
+def elbo_blocks(model, prompts: list[list[int]], responses: list[list[int]], noise: Noise):
+    """→ (ELBO [S, U], valid [S, U]): per sample, per response block (U = most blocks of any sample),
+    one forward per masking level (see module docstring)."""
+    dev, B, mask_id = model.device, model.config.block_size, model.config.mask_token_id
+    S = len(prompts)
+    spans = [_blocks(len(x), len(y), B) for x, y in zip(prompts, responses)]
+    U = max(bl - b0 + 1 for b0, bl in spans)
+    total = None
+    for n, (t, w) in enumerate(zip(noise.levels, level_weights(noise.levels))):
+        ids, pos, noisy, rows, targets, units = [], [], [], [], [], []
+        offset = 0
+        for s, (x, y) in enumerate(zip(prompts, responses)):
+            P, T = len(x), len(x) + len(y)
+            b0, bl = spans[s]
+            clean = torch.tensor(list(x) + list(y), dtype=torch.long)
+            z = clean.clone()
+            m = noise.response_masks[n][s]
+            z[P:][m] = mask_id
+            s0, c_end = b0 * B, bl * B
+            ids.append(torch.cat([z[s0:T], clean[:c_end]]))
+            pos.append(torch.cat([torch.arange(s0, T), torch.arange(c_end)]))
+            noisy.append(torch.cat([torch.ones(T - s0, dtype=torch.bool), torch.zeros(c_end, dtype=torch.bool)]))
+            at = torch.nonzero(m).squeeze(-1) + P                      # absolute positions of masked tokens
+            rows.append(offset + at - s0)
+            targets.append(clean[at])
+            units.append(s * U + at // B - b0)
+            offset += len(ids[-1])
+        attn = NoisyCleanAttention(pos, noisy, B, dev)
+        hidden = model(torch.cat(ids).to(dev), attn).hidden
+        rows, targets, units = (torch.cat(v).to(dev) for v in (rows, targets, units))
+        lp = _logp(model, hidden[rows], targets)
+        level = torch.zeros(S * U, dtype=lp.dtype, device=dev).index_add(0, units, lp)
+        total = level * w if total is None else total + level * w
+    valid = torch.tensor([[u <= bl - b0 for u in range(U)] for b0, bl in spans], device=dev)
+    return total.view(S, U), valid
+
+
+def elbo_blocks_loop(model, prompts, responses, noise: Noise):
+    """The reference: ``elbo_blocks`` one sample, level and block at a time, each block as the decoder
+    sees it (clean prefix ⊕ noisy block, ``BlockDiffusionAttention``). → (ELBO [S, U], valid [S, U])."""
+    dev, B, mask_id = model.device, model.config.block_size, model.config.mask_token_id
+    spans = [_blocks(len(x), len(y), B) for x, y in zip(prompts, responses)]
+    U = max(bl - b0 + 1 for b0, bl in spans)
+    out = torch.zeros(len(prompts), U, dtype=torch.float64, device=dev)
+    for n, w in enumerate(level_weights(noise.levels)):
+        for s, (x, y) in enumerate(zip(prompts, responses)):
+            P, T = len(x), len(x) + len(y)
+            clean = torch.tensor(list(x) + list(y), dtype=torch.long, device=dev)
+            masked = torch.zeros(T, dtype=torch.bool, device=dev)
+            masked[P:] = noise.response_masks[n][s].to(dev)
+            b0, bl = spans[s]
+            for b in range(b0, bl + 1):
+                end = min((b + 1) * B, T)
+                ids = clean[:end].clone()
+                blk = torch.zeros(end, dtype=torch.bool, device=dev)
+                blk[b * B:] = True
+                sel = masked[:end] & blk
+                ids[sel] = mask_id
+                hidden = model(ids, BlockDiffusionAttention.from_lengths([end], B, dev)).hidden
+                at = sel.nonzero().squeeze(-1)
+                out[s, b - b0] += w * float(_logp(model, hidden[at], clean[at]).sum()) if len(at) else 0.0
+    valid = torch.tensor([[u <= bl - b0 for u in range(U)] for b0, bl in spans], device=dev)
+    return out, valid
+
+
+def mean_field_logprobs(model, prompts, responses, noise: Noise):
+    """d1's one-step estimate → (log p [S, Lmax], valid [S, Lmax]): the response all masked, the
+    prompt masked by ``noise.prompt_masks``, one forward, block-causal mask."""
+    from arbor.train.diffusion import PaddedBlockAttention
+    dev, B, mask_id = model.device, model.config.block_size, model.config.mask_token_id
+    ids, rows, targets, units, offset = [], [], [], [], 0
+    Lmax = max(len(y) for y in responses)
+    for s, (x, y) in enumerate(zip(prompts, responses)):
+        xp = torch.tensor(x, dtype=torch.long)
+        xp[noise.prompt_masks[s]] = mask_id
+        ids.append(torch.cat([xp, torch.full((len(y),), mask_id, dtype=torch.long)]))
+        rows.append(offset + len(x) + torch.arange(len(y)))
+        targets.append(torch.tensor(y, dtype=torch.long))
+        units.append(s * Lmax + torch.arange(len(y)))
+        offset += len(ids[-1])
+    attn = PaddedBlockAttention([len(i) for i in ids], B, dev)
+    hidden = model(torch.cat(ids).to(dev), attn).hidden
+    rows, targets, units = (torch.cat(v).to(dev) for v in (rows, targets, units))
+    lp = _logp(model, hidden[rows], targets)
+    out = torch.zeros(len(prompts) * Lmax, dtype=lp.dtype, device=dev).index_add(0, units, lp)
+    valid = torch.tensor([[i < len(y) for i in range(Lmax)] for y in responses], device=dev)
+    return out.view(len(prompts), Lmax), valid
+
+
+def unit_logprobs(model, prompts, responses, noise: Noise, estimator: str = "ebpo"):
+    """The estimator's per-unit log-likelihoods: EBPO blocks or mean-field tokens."""
+    if estimator == "ebpo":
+        return elbo_blocks(model, prompts, responses, noise)
+    if estimator == "mean_field":
+        return mean_field_logprobs(model, prompts, responses, noise)
+    raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+
+
+def ebpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
+              cfg: LossConfig, num_seqs: int | None = None):
+    """The clipped surrogate over units (module docstring) → (loss, stats of ``policy_loss``).
+    logp, logp_old, valid [S, U]; advantages [S]; ``num_seqs``: samples the mean is over (default S)."""
+    S, U = logp.shape
+    seq = torch.arange(S, device=logp.device)[:, None].expand(S, U)[valid]
+    lp, old = logp[valid], logp_old.detach()[valid]
+    adv = advantages.to(logp.device, lp.dtype)[seq]
+    cfg = replace(cfg, correction="none", kl_coef=0.0)
+    return policy_loss(lp, old, old, adv, torch.ones_like(lp), seq, num_seqs or S, cfg)
+
+
+@dataclass
+class EBPOConfig:
+    """The ``dllm`` section of ``arbor train``: what changes when the model is a block-diffusion LM."""
+    estimator: str = "ebpo"              # ebpo (block ELBO ratio) | mean_field (d1 / diffu-GRPO baseline)
+    group_size: int = 8                  # rollouts per prompt (GRPO group)
+    levels: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])   # EBPO masking levels t_n
+    prompt_mask_prob: float = 0.15       # mean field: prompt tokens masked w.p. this
+    mode: str = "quality"                # rollout decoder: quality | speed | threshold
+    temperature: float = 1.0             # rollout sampling temperature (0: greedy, groups identical)
+    eval_mode: str = "quality"           # held-out decoding (greedy)
+
+    def validate(self) -> None:
+        modes = ("quality", "speed", "threshold")
+        check(self, (self.estimator in ESTIMATORS, "estimator", f"must be one of {ESTIMATORS}"),
+              (self.group_size >= 2, "group_size", "must be ≥ 2"),
+              (bool(self.levels) and all(0 < t <= 1 for t in self.levels), "levels", "must be a non-empty list in (0, 1]"),
+              (0 <= self.prompt_mask_prob < 1, "prompt_mask_prob", "must be in [0, 1)"),
+              (self.mode in modes, "mode", f"must be one of {modes}"),
+              (self.eval_mode in modes, "eval_mode", f"must be one of {modes}"),
+              (self.temperature >= 0, "temperature", "must be ≥ 0"))
