@@ -4,7 +4,9 @@ The response (``gen_length`` positions right after the prompt, all ``<|mask|>`` 
 decoded block by block; block b covers absolute positions [b·B, (b+1)·B), so the first block may
 start inside the prompt's tail, whose tokens are never changed. Each step is one forward pass over
 the current block (finished blocks come from the exact KV cache of ``diffusion_cache``), giving
-``p, x̂ = max / argmax softmax(logits)`` at every block position (the mask token never predicted).
+``p, x̂ = max / argmax softmax(logits)`` at every block position (the mask token never predicted); with
+``temperature`` T > 0, x̂ is sampled from softmax(logits / T) instead and p is softmax(logits)[x̂]
+(RL rollouts; one seeded generator per decode, so a batch's samples are reproducible).
 
 ``method="editing"`` (LLaDA2.1, joint M2T + T2T):
     M2T: every masked position with p > threshold gets x̂; if none passes, the single most
@@ -48,12 +50,16 @@ class DecodeConfig:
     gen_length: int = 32
     use_cache: bool = True               # False: re-forward prompt + all blocks every step
     record: bool = False                 # keep the response state after every step
+    temperature: float = 0.0             # > 0: x̂ sampled from softmax(logits / T) (RL rollouts); 0: argmax
+    seed: int = 0                        # the sampling generator's seed (temperature > 0)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.gen_length <= 0 or self.steps_per_block <= 0 or self.max_post_steps < 0:
             raise ValueError("gen_length and steps_per_block must be positive, max_post_steps ≥ 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
 
 
 def quality(**kw) -> DecodeConfig:
@@ -117,6 +123,9 @@ class DiffusionDecoder:
         self.block_size = cfg.block_size or model.config.block_size
         self.stop_ids = list(stop_token_ids if stop_token_ids is not None else model.config.stop_token_ids)
         self.model_calls = 0
+        self.generator = None
+        if cfg.temperature > 0:
+            self.generator = torch.Generator(model.device).manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
@@ -164,7 +173,12 @@ class DiffusionDecoder:
         rows = torch.cat(rows)
         logits = self.model.logits(hidden[rows]).float()
         logits[:, self.mask_id] = float("-inf")
-        conf, pred = logits.softmax(-1).max(-1)
+        probs = logits.softmax(-1)
+        if self.generator is None:
+            conf, pred = probs.max(-1)
+        else:                                   # sampled x̂; p = its probability under the model
+            pred = torch.multinomial((logits / self.cfg.temperature).softmax(-1), 1, generator=self.generator)[:, 0]
+            conf = probs.gather(-1, pred[:, None])[:, 0]
         sizes = [end - start for start, end in spans]
         return conf.split(sizes), pred.split(sizes)
 

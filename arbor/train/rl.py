@@ -39,6 +39,7 @@ from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
 from arbor.train.run_log import LogConfig, RunLog
+from arbor.train.ebpo import EBPOConfig
 from arbor.train.distributed import global_count, run_idle_passes, set_recompute
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
@@ -94,6 +95,7 @@ class RLConfig:
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
     plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
+    dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.train.ebpo_trainer)
 
     def validate(self) -> None:
         check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.groups_per_step >= 1, "groups_per_step", "must be ≥ 1"),
