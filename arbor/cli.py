@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"arbor {args.command}: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)
+    if os.environ.get("WORLD_SIZE", "1") != "1" and argv is None:     # a rank of a multi-rank run
+        from arbor.dist.context import leave
+        leave(int(result or 0))
     return int(result or 0)
 
 

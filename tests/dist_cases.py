@@ -150,3 +150,5 @@ if __name__ == "__main__":
     case, out, *args = sys.argv[1:]
     ctx = init_distributed(DistConfig(timeout_s=float(os.environ.get("CASE_TIMEOUT", "20"))), 4) if case != "sft" else None
     globals()[f"case_{case}"](ctx, Path(out), *args)
+    from arbor.dist.context import leave
+    leave(0)

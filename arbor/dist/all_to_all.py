@@ -39,7 +39,7 @@ def exchange_counts(ctx, counts: torch.Tensor, tag: tuple[int, int, int], group=
     send = torch.cat([torch.tensor(tag, dtype=torch.int64).expand(world, 3), counts.to(torch.int64).cpu()], 1)
     recv = torch.empty_like(send)
     with ctx.guard(f"ep counts {_tag_text(tag)}"):
-        dist.all_to_all_single(recv, send.contiguous(), group=group if group is not None else ctx.ep_group)
+        ctx.run(lambda: dist.all_to_all_single(recv, send.contiguous(), group=group if group is not None else ctx.ep_group))
     mine = send[0, :3]
     for r in range(world):
         if not torch.equal(recv[r, :3], mine):
@@ -53,25 +53,24 @@ def exchange_counts(ctx, counts: torch.Tensor, tag: tuple[int, int, int], group=
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x, out_splits, in_splits, group, guard):
-        fctx.splits, fctx.group, fctx.guard = (out_splits, in_splits), group, guard
-        return _exchange(x, out_splits, in_splits, group, guard, "ep rows")
+    def forward(fctx, x, out_splits, in_splits, group, ctx):
+        fctx.splits, fctx.group, fctx.ctx = (out_splits, in_splits), group, ctx
+        return _exchange(x, out_splits, in_splits, group, ctx, "ep rows")
 
     @staticmethod
     def backward(fctx, grad):
         out_splits, in_splits = fctx.splits
-        return _exchange(grad, in_splits, out_splits, fctx.group, fctx.guard, "ep rows (backward)"), None, None, None, None
+        return _exchange(grad, in_splits, out_splits, fctx.group, fctx.ctx, "ep rows (backward)"), None, None, None, None
 
 
-def _exchange(x, out_splits, in_splits, group, guard, name):
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with guard(name):
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+def _exchange(x, out_splits, in_splits, group, ctx, name):
+    out, x = x.new_empty((sum(out_splits), *x.shape[1:])), x.contiguous()
+    with ctx.guard(name):
+        ctx.run(lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group))
     return out
 
 
 def all_to_all(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
     """Send ``x``'s rows in chunks of ``in_splits`` (one per rank), receive ``sum(out_splits)`` rows;
     differentiable."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group if group is not None else ctx.ep_group,
-                           ctx.guard)
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group if group is not None else ctx.ep_group, ctx)

@@ -31,6 +31,7 @@ class DistConfig:
     """Multi-rank layout; only read when the job runs on several ranks (``arbor launch``, torchrun)."""
     ep_size: int = 0           # ranks that split each MoE layer's experts (0: all ranks for an MoE model, else 1)
     timeout_s: float = 60.0    # a collective that waits longer fails on every surviving rank
+    phase_groups: bool = False # P/D multiplexing: prefill and decode get private expert-parallel groups
 
     def validate(self) -> None:
         if self.ep_size < 0:
@@ -56,6 +57,16 @@ class DistContext:
     ep_group: object = None         # this rank's expert-parallel group
     replica_group: object = None    # ranks holding the same experts as this one
     peers: list = field(default_factory=list)   # (host, pid) per rank
+    phase_groups: dict = field(default_factory=dict)   # phase name → its private EP group (P/D multiplexing)
+    queue: object = None            # a DeviceQueue every collective runs through (in-order, like a stream)
+
+    def ep_group_for(self, phase: str):
+        """The EP group a phase's exchanges use: its private one if it has one, else the shared one."""
+        return self.phase_groups.get(phase, self.ep_group)
+
+    def run(self, fn):
+        """Run a collective: through the in-order device queue when there is one, else directly."""
+        return self.queue.run(fn) if self.queue is not None else fn()
 
     @classmethod
     def single(cls) -> "DistContext":
@@ -207,8 +218,28 @@ def init_distributed(cfg: DistConfig | None = None, num_experts: int = 0, device
             g = dist.new_group(list(range(r, world, ep)), timeout=timeout)
             if rank % ep == r:
                 ctx.replica_group = g
+        for phase in ("prefill", "decode") if cfg.phase_groups else ():
+            for start in range(0, world, ep):
+                g = dist.new_group(list(range(start, start + ep)), timeout=timeout)
+                if start <= rank < start + ep:
+                    ctx.phase_groups[phase] = g
     ctx.peers = ctx.all_gather_object((socket.gethostname(), os.getpid()), "peer table")
     return ctx
+
+
+def leave(code: int = 0) -> None:
+    """End a rank's process: meet the other ranks (so none is still using the group), flush, and exit
+    without running destructors — tearing a gloo group down while a peer exits can abort the
+    process in C++ ("terminate called without an active exception")."""
+    import sys
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:        # a peer already gone: nothing left to wait for
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shutdown(ctx: DistContext) -> None:

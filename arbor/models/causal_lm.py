@@ -141,5 +141,25 @@ class CausalLM(nn.Module):
             routed_experts=torch.stack(routed) if ((return_routing or return_router_probs) and routed) else None,
             router_probs=torch.stack(probs) if (return_router_probs and probs) else None)
 
+    def forward_segments(self, input_ids, attn, layers_per_segment: int, positions=None):
+        """The forward cut into segments of ``layers_per_segment`` layers — communication-safe boundaries
+        for P/D multiplexing (a segment's MoE exchanges are all issued when it returns). A generator:
+        each ``next()`` runs one segment and yields ``(layers done, None)``; the last yields
+        ``(num_layers, hidden)`` with the final norm applied — what ``forward(...).hidden`` returns.
+        Softmax-attention models (dense or MoE) without routing replay or recurrent states."""
+        if any(layer.is_linear for layer in self.model.layers):
+            raise ValueError("forward_segments serves softmax-attention models; linear-attention states are not carried")
+        if layers_per_segment < 1:
+            raise ValueError(f"layers_per_segment must be ≥ 1, got {layers_per_segment}")
+        positions = attn.positions() if positions is None else positions
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        n = len(self.model.layers)
+        for start in range(0, n, layers_per_segment):
+            for layer in self.model.layers[start:start + layers_per_segment]:
+                x = layer(x, cos, sin, attn)[0]
+            end = min(n, start + layers_per_segment)
+            yield (end, self.model.norm(x)) if end == n else (end, None)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -24,6 +24,8 @@ MoE layer, phase is ``train`` under autograd and ``ep_phase`` of the model other
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -66,10 +68,20 @@ class ExpertPlacement:
 
 
 class EPState:
-    """Shared by a model's EP dispatchers: the phase for inference and the per-rank step counter."""
+    """Shared by a model's EP dispatchers: the phase of the calling thread (``ep_phase``; "forward"
+    by default) and a step counter per phase (shared by all threads), so that a prefill executor
+    and a decode executor of one rank tag their exchanges independently and as every rank does."""
     def __init__(self):
-        self.phase = "forward"
-        self.step = 0
+        self._local = threading.local()
+        self.steps: dict[str, int] = {}
+
+    @property
+    def phase(self) -> str:
+        return getattr(self._local, "phase", "forward")
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._local.phase = value
 
     def __deepcopy__(self, memo):   # a copied model (e.g. the engine's bf16 copy) shares the counter
         return self
@@ -87,9 +99,10 @@ class EPDispatch:
         return EPDispatch(self.ctx, self.layer, self.placement, self.state)
 
     def tag(self, grad: bool) -> tuple[int, int, int]:
+        phase = "train" if grad else self.state.phase
         if self.layer == 0:
-            self.state.step += 1
-        return PHASES["train" if grad else self.state.phase], self.layer, self.state.step
+            self.state.steps[phase] = self.state.steps.get(phase, 0) + 1
+        return PHASES[phase], self.layer, self.state.steps.get(phase, 0)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
         W, L, k = self.placement.ep_size, self.placement.num_local, ids.shape[1]
@@ -97,18 +110,34 @@ class EPDispatch:
         key = self.rank_of[flat] * L + self.slot_of[flat]
         order = key.argsort(stable=True)
         counts = torch.bincount(key, minlength=W * L).view(W, L)
-        recv_counts = exchange_counts(self.ctx, counts, self.tag(torch.is_grad_enabled() and x.requires_grad))
+        grad = torch.is_grad_enabled() and x.requires_grad
+        group = self.ctx.ep_group_for("train" if grad else self.state.phase)
+        recv_counts = exchange_counts(self.ctx, counts, self.tag(grad), group)
         send_splits, recv_splits = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         order, token = order.to(x.device), (order // k).to(x.device)
-        rows = all_to_all(self.ctx, x[token], recv_splits, send_splits)
+        rows = all_to_all(self.ctx, x[token], recv_splits, send_splits, group)
         # rows arrive grouped by (source rank, slot); regroup by slot for one matmul per expert
         slot = torch.arange(L).repeat(W).repeat_interleave(recv_counts.reshape(-1)).to(x.device)
         by_slot = slot.argsort(stable=True)
         out = experts.grouped(list(rows[by_slot].split(recv_counts.sum(0).tolist())))
         y_rows = out[by_slot.argsort()] if out is not None else rows
-        back = all_to_all(self.ctx, y_rows, send_splits, recv_splits)
+        back = all_to_all(self.ctx, y_rows, send_splits, recv_splits, group)
         y = back * weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
+
+
+@contextlib.contextmanager
+def ep_phase(model, phase: str):
+    """Tag (and, with private groups, route) this thread's MoE exchanges as ``phase``."""
+    state = getattr(model, "ep_state", None)
+    if state is None:
+        yield
+        return
+    before, state.phase = state.phase, phase
+    try:
+        yield
+    finally:
+        state.phase = before
 
 
 def moe_modules(model) -> list:

@@ -1,0 +1,158 @@
+"""Rank programs for tests/test_pd_multiplex.py: prefill (P) and decode (D) executors of one EP model
+on 2 ranks, with and without phase-private groups, an in-order device queue and the turnstile.
+Run only as child processes (``arbor.dist.launch``); each case exits non-zero on failure."""
+
+import copy
+import os
+import random
+import sys
+import threading
+
+import torch
+
+from arbor.dist import CollectiveError, DistConfig, TagMismatchError, init_distributed
+from arbor.dist.device_queue import DeviceQueue
+from arbor.dist.turnstile import Turnstile
+from arbor.models import CausalLM, VarlenAttention
+from arbor.models.expert_parallel import ep_phase, idle_forward, shard_experts
+from tests.dist_cases import sequences, tiny_config
+
+
+def setup(phase_groups: bool, queue: bool):
+    ctx = init_distributed(DistConfig(timeout_s=float(os.environ.get("CASE_TIMEOUT", "20")), phase_groups=phase_groups), 4)
+    torch.manual_seed(0)
+    ref = CausalLM(tiny_config(True)).eval()
+    model = copy.deepcopy(ref)
+    shard_experts(model, ctx)
+    if queue:
+        ctx.queue = DeviceQueue(f"rank{ctx.rank}")
+    return ctx, model, ref
+
+
+def packed(seqs):
+    return torch.tensor([t for s in seqs for t in s]), VarlenAttention.from_lengths([len(s) for s in seqs])
+
+
+def fail(message: str, code: int = 3):
+    print(message, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+@torch.inference_mode()
+def case_naive():
+    """One shared group, no turnstile, skewed ranks: rank 0's P exchange meets rank 1's D exchange."""
+    ctx, model, _ = setup(phase_groups=False, queue=False)
+    ids, attn = packed(sequences(11 + ctx.rank, 2))
+    first = "prefill" if ctx.rank == 0 else "decode"
+    try:
+        with ep_phase(model, first):
+            model(ids, attn)
+    except TagMismatchError as e:
+        fail(f"TagMismatchError: {e}")
+    fail("the crossed P/D exchange went unnoticed", 1)
+
+
+@torch.inference_mode()
+def case_private_no_turnstile():
+    """Private P and D groups through the in-order queue, no turnstile, forced skew (events): rank 0
+    queues P's exchange before D's, rank 1 D's before P's → each queue's head waits for a peer job
+    stuck behind the other head: a deadlock, caught by the group timeout."""
+    ctx, model, _ = setup(phase_groups=True, queue=True)
+    submitted = {"prefill": threading.Event(), "decode": threading.Event()}
+    inner = ctx.queue.submit
+
+    def submit(fn):                     # note which phase reached the queue first
+        future = inner(fn)
+        submitted[model.ep_state.phase].set()
+        return future
+    ctx.queue.submit = submit
+    leader = "prefill" if ctx.rank == 0 else "decode"
+    errors = []
+
+    @torch.inference_mode()
+    def executor(phase):
+        if phase != leader:
+            submitted[leader].wait()
+        try:
+            with ep_phase(model, phase):
+                model(*packed(sequences(20 + ctx.rank, 2)))
+        except (CollectiveError, RuntimeError) as e:
+            errors.append(e)
+    threads = [threading.Thread(target=executor, args=(p,)) for p in ("prefill", "decode")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        fail(f"deadlock caught: {errors[0]}")
+    fail("no deadlock without the turnstile", 1)
+
+
+@torch.inference_mode()
+def case_turnstile(rounds: str = "20"):
+    """P segments and D steps on two threads per rank with random skew; the turnstile orders them:
+    no error, no hang, and every output equals the one-process model's (greedy tokens too)."""
+    ctx, model, ref = setup(phase_groups=True, queue=True)
+    rng = random.Random(100 + ctx.rank)
+    requests, done = [], []
+    decode_ready = threading.Event()
+
+    def decode_step():                  # the D executor's step: this rank's decodes, or an empty one
+        batch = requests.pop() if requests else None
+        with ep_phase(model, "decode"):
+            if batch is None:
+                idle_forward(model)
+            else:
+                done.append(("decode", batch, model(*packed(batch)).hidden))
+
+    @torch.inference_mode()
+    def d_executor():
+        while True:
+            decode_ready.wait()
+            decode_ready.clear()
+            if stop.is_set():
+                return
+            decode_step()
+            finished.set()
+
+    finished, stop = threading.Event(), threading.Event()
+
+    def run_decode():                   # turnstile step 2: D runs before the next P segment
+        finished.clear()
+        decode_ready.set()
+        finished.wait()
+    d = threading.Thread(target=d_executor)
+    d.start()
+    turnstile = Turnstile(ctx, run_decode)
+    for r in range(int(rounds)):
+        prompts = sequences(1000 * r + ctx.rank, rng.randint(1, 3), 3, 24)
+        with ep_phase(model, "prefill"):
+            for layers_done, hidden in model.forward_segments(*packed(prompts), layers_per_segment=1):
+                if hidden is None:
+                    if rng.random() < 0.6:  # a decode step becomes ready on this rank
+                        requests.append(sequences(5000 * r + 7 * layers_done + ctx.rank, rng.randint(1, 2), 2, 9))
+                    threading.Event().wait(rng.random() * 0.01)   # skew the ranks
+                    turnstile.boundary(bool(requests))
+                else:
+                    done.append(("prefill", prompts, hidden))
+    stop.set()
+    decode_ready.set()
+    d.join()
+    worst, tokens_equal = 0.0, True
+    for _, seqs, hidden in done:
+        want = ref(*packed(seqs)).hidden
+        worst = max(worst, float((hidden - want).abs().max()))
+        tokens_equal &= torch.equal(model.logits(hidden).argmax(-1), ref.logits(want).argmax(-1))
+    print(f"rounds {rounds}: {turnstile.boundaries} boundaries, {turnstile.decode_steps} decode steps, "
+          f"{sum(k == 'decode' for k, _, _ in done)} real decodes here, max diff {worst:.3g}, "
+          f"tokens equal {tokens_equal}", flush=True)
+    if worst > 1e-5 or not tokens_equal:
+        fail("outputs differ from the one-process model", 1)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])
+    from arbor.dist.context import leave
+    leave(0)
