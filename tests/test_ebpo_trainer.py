@@ -66,3 +66,13 @@ def test_eval_and_task_errors(dllm_dir, tmp_path):
     assert 0 <= acc <= 1
     with pytest.raises(ValueError, match="no diffusion version"):
         build_trainer(configs.load(RLConfig, None, [f"model='{dllm_dir}'", "task='arithmetic'"]))
+
+
+def test_llm_engine_refuses_a_block_diffusion_model(dllm_dir):
+    from arbor.engine import AsyncLLMEngine, LLMEngine
+    from arbor.models import load_model
+    for target in (dllm_dir, str(dllm_dir), load_model(dllm_dir)):
+        with pytest.raises(ValueError, match="arbor generate --diffusion"):
+            LLMEngine(target)
+    with pytest.raises(ValueError, match="block-diffusion"):
+        AsyncLLMEngine(dllm_dir)

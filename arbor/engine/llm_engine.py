@@ -65,6 +65,21 @@ def _load(model_or_path, cfg: EngineConfig, tokenizer, ctx=None):
     return model.eval(), tokenizer, False
 
 
+def refuse_block_diffusion(model_or_path) -> None:
+    """The engine decodes autoregressively; a block-diffusion model (a folder or a module) is refused
+    with what decodes it instead, never decoded causally."""
+    if isinstance(model_or_path, (str, Path)):
+        from arbor.models import ModelConfig
+        mc = ModelConfig.from_file(model_or_path)
+    else:
+        mc = getattr(model_or_path, "config", None)
+    if mc is not None and getattr(mc, "is_block_diffusion", False):
+        raise ValueError(f"{model_or_path if isinstance(model_or_path, (str, Path)) else 'this model'} is a "
+                         f"block-diffusion model ({mc.architecture}); LLMEngine decodes left to right and would "
+                         "decode it wrongly. Use `arbor generate --diffusion` (arbor.engine.diffusion: "
+                         "diffusion_generate / generate_text), `arbor eval` for accuracy, and `arbor train` for EBPO")
+
+
 class LLMEngine:
     def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None, ctx=None):
         """A module in the engine's dtype and device is served as is (weight updates then move
@@ -72,6 +87,7 @@ class LLMEngine:
         packs for oneDNN when that copy is bfloat16 on CPU (``cpu_linear``). ``ctx``: the rank
         context of a distributed engine (a folder is then loaded with its experts sharded; a
         module must already be sharded with ``shard_experts``)."""
+        refuse_block_diffusion(model_or_path)
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         cfg.check_device()
