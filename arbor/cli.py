@@ -1,7 +1,7 @@
 """The ``arbor`` command. Each subcommand is registered by one small ``add_*`` function listed in
 ``SUBCOMMANDS``; handlers call library code and hold no logic a library user would need.
 
-Benchmarks: ``arbor bench NAME`` — every module ``arbor.bench.NAME`` listed in ``BENCHMARKS``
+Benchmarks: ``arbor bench NAME`` — every module ``arbor.bench.NAME`` (``-`` read as ``_``) listed in ``BENCHMARKS``
 defines ``add_arguments(parser)`` and ``main(args)``; add a name there to register one. A bench
 module is imported only when that bench runs (or shows its ``--help``).
 """
@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "tree", "engine", "ep", "routepack"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "ep", "routepack"]
 
 
 def add_bench(sub) -> None:
@@ -27,7 +27,7 @@ def add_bench(sub) -> None:
 
 def bench_parser(name: str):
     """→ (the parser of ``arbor bench NAME``, the bench module), importing the module."""
-    module = importlib.import_module(f"arbor.bench.{name}")
+    module = importlib.import_module(f"arbor.bench.{name.replace('-', '_')}")
     b = argparse.ArgumentParser(prog=f"arbor bench {name}", description=(module.__doc__ or "").strip())
     b.add_argument("--out", default="bench_results", help="folder for NAME.json and NAME.png")
     b.add_argument("--device", default="cpu")
