@@ -37,7 +37,8 @@ def base_model_dir(cache: str, steps: int, device: str, log=print) -> Path:
     from arbor.train.diffusion import DiffusionModelConfig, DiffusionTrainConfig, train_from_config
     base = Path(cache) / f"v{DATA_VERSION}_base_b{BLOCK_SIZE}_s{steps}"
     if not (base / "config.json").exists():
-        cfg = DiffusionTrainConfig(steps=steps, device=device, log_every=250, model=DiffusionModelConfig(block_size=BLOCK_SIZE))
+        cfg = DiffusionTrainConfig(steps=steps, device=device, log_every=250,
+                                   model=DiffusionModelConfig(block_size=BLOCK_SIZE))
         train_from_config(cfg, out_dir=base, on_log=log)
     return base
 
@@ -56,7 +57,7 @@ def run_one(base: Path, task: str, estimator: str, seed: int, args, out: Path) -
     model = load_model(base, device=args.device).eval()
     from arbor.models.tokenizer import Tokenizer
     cfg = RLConfig(model=str(base), out=str(out), task=task, seed=seed, steps=args.steps, groups_per_step=args.groups,
-                   device=args.device, checkpoint_every=0, resume=False,
+                   mini_batches=args.mini_batches, device=args.device, checkpoint_every=0, resume=False,
                    optim=OptimConfig(lr=args.lr, warmup_steps=0, min_lr_ratio=1.0),
                    dllm=EBPOConfig(estimator=estimator, group_size=args.group_size, mode=args.rollout_mode,
                                    temperature=args.temperature))
@@ -147,13 +148,14 @@ def run(args) -> dict:
                     runs.append(r)
     table, summary = summarise(runs, tasks, estimators)
     print_table(f"dllm-rl: {args.steps} steps × {args.groups} prompts × {args.group_size} rollouts, lr {args.lr}, "
-                f"{args.eval_n} held-out problems",
+                f"{args.mini_batches} mini-batches, {args.eval_n} held-out problems",
                 ["task", "estimator", "seeds", "Q acc before", "Q acc after", "Δ", "Q TPF before", "Q TPF after",
                  "S acc before", "S acc after", "S TPF before", "S TPF after"], table)
     targets = targets_of(summary)
     print_targets(targets)
-    settings = {k: getattr(args, k) for k in ("steps", "groups", "group_size", "lr", "temperature", "rollout_mode",
-                                              "eval_n", "seeds", "base_steps")}
+    keys = ("steps", "groups", "group_size", "lr", "mini_batches", "temperature", "rollout_mode", "eval_n", "seeds",
+            "base_steps")
+    settings = {k: getattr(args, k) for k in keys}
     result = {"settings": settings, "summary": summary, "runs": runs, "targets": targets}
     write_result(args.out, "dllm-rl", result, plot(runs, tasks, estimators))
     return result
@@ -172,7 +174,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=20, help="RL steps per run")
     p.add_argument("--groups", type=int, default=8, help="training prompts per step")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per prompt")
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--mini-batches", type=int, default=2, help="optimizer steps per RL step")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     p.add_argument("--rollout-mode", default="quality", choices=["quality", "speed", "threshold"])
     p.add_argument("--eval-n", type=int, default=200, help="held-out problems")
