@@ -1,0 +1,173 @@
+"""RL on a local Ray cluster (2 CPUs, no dashboard), shared by the module and shut down after it.
+
+Skipped only when Ray cannot be imported (``pip install -e .[ray]``; ``make test`` installs it).
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from arbor.cluster import ray_env  # noqa: E402
+from arbor.cluster.config import ClusterConfig, load_train_config, plain_rl_config  # noqa: E402
+from arbor.cluster.remote_engine import ClusterError, RemoteEngine  # noqa: E402
+from arbor.cluster.run import ClusterRun  # noqa: E402
+from arbor.cluster.trainer_rank import sampling_factory  # noqa: E402
+from arbor.cluster.weights import digests  # noqa: E402
+from arbor.models import CausalLM, ModelConfig, load_model, save_model  # noqa: E402
+from arbor.models.tokenizer import builtin_tokenizer  # noqa: E402
+
+SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(a local Ray cluster with its session files under a temp folder, that folder)."""
+    folder = tmp_path_factory.mktemp("ray")
+    assert ray_env.start(ClusterConfig(num_cpus=2, object_store_mb=256, temp_dir=str(folder / "ray")), folder)
+    yield folder
+    ray_env.stop(True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id)).eval()
+    folder = tmp_path_factory.mktemp("model")
+    save_model(model, folder, tokenizer=tok)
+    return folder
+
+
+def rl_words(model_dir, out, steps):
+    return [f"model={model_dir}", f"out={out}", "task=longtail", f"steps={steps}", "groups_per_step=2",
+            "checkpoint_every=1", "c3po.enabled=false", "rollout.max_turn_tokens=16", "rollout.max_context=120",
+            "rollout.branch=[2]", "dist.timeout_s=20", "log.progress=false"]
+
+
+def test_ray_files_stay_in_the_run_folder(cluster):
+    assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert any(p.name.startswith("session_") for p in (cluster / "ray").iterdir())
+    long = cluster / ("x" * 80)
+    assert len(ray_env.short_temp_dir(long)) <= ray_env.MAX_TEMP_DIR_CHARS and long.is_dir()
+
+
+@pytest.fixture(scope="module")
+def ray_run(cluster, model_dir, tmp_path_factory):
+    """A 2-rank, 2-replica run of 3 steps whose rank 1 is killed after a step, then the same command
+    again (it resumes). → (the second run, still up; its rows; the run folder; the first run's error)."""
+    out = tmp_path_factory.mktemp("ray_run")
+    cfg = load_train_config(None, ["cluster=ray", "cluster.engines=2", "cluster.trainers=2", *rl_words(model_dir, out, 3)])
+    first = ClusterRun(cfg).start().launch()
+    try:
+        deadline = time.monotonic() + 60
+        while (first._progress(None) or {}).get("steps", 0) < 1:
+            assert time.monotonic() < deadline, "no step within 60 s"
+            time.sleep(0.1)
+        os.kill(first.info["trainers"][1]["pid"], signal.SIGKILL)
+        with pytest.raises(ClusterError) as died:
+            first.wait()
+    finally:
+        first.close()
+    second = ClusterRun(cfg).start()
+    try:
+        rows = second.wait()
+        yield second, rows, out, str(died.value)
+    finally:
+        second.close()
+
+
+def test_a_dead_trainer_rank_stops_the_run_naming_it_and_the_same_command_resumes(ray_run):
+    run, rows, out, error = ray_run
+    assert re.search(r"trainer rank 1 of 2 \(pid \d+, node .*\) died.* resumes from .*checkpoint", error), error
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2] and rows[-1]["step"] == 2
+
+
+def test_two_replicas_two_ranks_give_the_single_process_metrics_and_one_hf_folder(ray_run, model_dir, tmp_path):
+    from arbor.train.run import train as train_here
+    run, rows, out, _ = ray_run
+    assert len({t["pid"] for t in run.info["trainers"]}) == 2 and len({r["pid"] for r in run.info["replicas"]}) == 2
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["samples"] == 8 for r in logged)          # 2 ranks × 2 groups × 2 samples
+    assert all(r["mismatch_abs"] < 1e-5 for r in logged)   # float32 replicas sample what the trainer computes
+    one = train_here(plain_rl_config(load_train_config(None, rl_words(model_dir, tmp_path / "one", 1))))
+    assert set(one[0]) == set(logged[-1])                  # the same metrics as the single-process loop
+    models = [p.relative_to(out) for p in out.rglob("model.safetensors") if "checkpoint" not in p.parts]
+    assert [str(p.parent) for p in models] == ["final/model"]
+    assert load_model(out / "final" / "model").config.hidden_size == 64
+    info = json.loads((out / "cluster.json").read_text())
+    assert info["cluster"]["engines"] == 2 and len(info["trainers"]) == 2
+
+
+@pytest.fixture
+def replicas(ray_run):
+    """The replica manager of the finished run (its replicas hold the final weights)."""
+    return ray_run[0].manager
+
+
+def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_doubled(ray_run, replicas):
+    from arbor.rollout.collector import Collector, RolloutConfig
+    from arbor.tasks.longtail import LongTailEnvironment, LongTailProblem
+    from arbor.train.logprobs import packed_logprobs
+    tok, model = builtin_tokenizer(), load_model(ray_run[2] / "final" / "model").eval()   # what the replicas serve
+    engine = RemoteEngine(replicas)
+    collector = Collector(engine, tok, RolloutConfig(max_turn_tokens=64, max_context=200, branch=[4]),
+                          sampling_factory(tok, False))
+    epoch, victim = engine.slots[0][0], ray.get(engine.slots[0][1].info.remote())["pid"]
+
+    async def rollout():
+        pool = []
+        for g in range(4):
+            p = LongTailProblem("ab"[g % 2], 48)
+            pool += await collector.start(LongTailEnvironment(p), g, p, 0)
+
+        async def kill_when_streaming():
+            while engine.load[0] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            os.kill(victim, signal.SIGKILL)
+
+        killer = asyncio.ensure_future(kill_when_streaming())
+        trees, left, _ = await collector.run_iteration(pool, 0)
+        await killer
+        return trees, left
+
+    trees, left = asyncio.run(rollout())
+    trajs = [t for tree in trees for t in tree.trajectories()]
+    assert not left and engine.resubmitted > 0
+    assert sorted(t.group for t in trajs) == sorted(list(range(4)) * 4)          # every group, 4 leaves each
+    assert len({tuple(t.tokens) for t in trajs}) == 16                          # none twice
+    assert all(t.num_model_tokens == 48 and len(t.logp_infer) == len(t.tokens) for t in trajs)
+    logp, cu = packed_logprobs(model, [t.tokens for t in trajs])              # stitched streams are exact
+    for j, t in enumerate(trajs):
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        assert torch.allclose(logp[cu[j]:cu[j + 1]][mask], torch.tensor(t.logp_infer)[mask], atol=1e-4)
+    deadline = time.monotonic() + 60
+    while ray.get(replicas.stats.remote())["epochs"][0] == epoch and time.monotonic() < deadline:
+        time.sleep(0.1)
+    table = ray.get(replicas.table.remote())
+    assert table[0][0] == epoch + 1 and ray.get(table[0][1].info.remote())["pid"] != victim
+    assert ray.get(table[0][1].digests.remote()) == digests(model.state_dict())    # restarted on the current weights
+
+
+@pytest.mark.parametrize("method", ["store", "broadcast"])
+def test_weights_after_a_sync_equal_the_trainers_bit_for_bit_on_every_replica(replicas, model_dir, method):
+    model = load_model(model_dir)
+    engine = RemoteEngine(replicas, weight_sync=method, timeout_s=30)     # joins at the manager's version
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    engine.update_weights(model.state_dict())
+    want = digests(model.state_dict())
+    for _, handle in ray.get(replicas.table.remote()):
+        assert ray.get(handle.digests.remote()) == want
+    assert ray.get(replicas.stats.remote())["version"] == engine.version
