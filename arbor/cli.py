@@ -90,15 +90,19 @@ def add_sft(sub) -> None:
 
 
 def add_train(sub) -> None:
-    p = _job_parser(sub, "train", "RL on a task: rollout trees, GRPO/PPO with IcePop or TIS, C3PO++",
-                    "arbor.train.rl:RLConfig")
+    p = _job_parser(sub, "train", "RL on a task: rollout trees, GRPO/PPO with IcePop or TIS, C3PO++; "
+                    "cluster=ray runs it on Ray (engine replicas and trainer ranks as actors)",
+                    "arbor.cluster.config:ClusterRLConfig")
 
     def run(a):
-        from arbor import configs
-        from arbor.train.rl import RLConfig
-        from arbor.train.run import train
+        from arbor.cluster.config import load_train_config, plain_rl_config
         path, over = _split_config(a)
-        train(configs.load(RLConfig, path, over))
+        cfg = load_train_config(path, over)
+        if cfg.cluster.backend == "ray":
+            from arbor.cluster.run import train as train_on_ray
+            return train_on_ray(cfg) and None
+        from arbor.train.run import train
+        train(plain_rl_config(cfg))
 
     p.set_defaults(func=run)
 

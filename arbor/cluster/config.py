@@ -35,8 +35,8 @@ class ClusterConfig:
     gpus_per_trainer: float = 0.0
     cpus_per_engine: float = 1.0   # disaggregated only
     gpus_per_engine: float = 0.0   # disaggregated only
-    threads: int = 0               # torch threads per actor (0: the node's cores ÷ actors on it, at least 1)
-    weight_sync: str = "store"     # store: Ray object store | broadcast: torch.distributed (gloo/NCCL) group
+    threads: int = 0               # torch threads per actor (0: the whole CPUs its bundle share holds, at least 1)
+    weight_sync: str = "store"     # store: Ray object store | broadcast: a gloo group of trainer rank 0 and the replicas
     num_cpus: int = 0              # a local cluster's CPUs (0: this machine's cores)
     object_store_mb: int = 0       # a local cluster's object store (0: Ray's default)
     temp_dir: str = ""             # Ray's session files of a local cluster ("": OUT/ray)

@@ -47,7 +47,12 @@ class ClusterRun:
 
     def start(self) -> "ClusterRun":
         import ray
+
+        from arbor.models import ModelConfig
         c = self.c
+        if ModelConfig.from_file(self.rl.model).is_block_diffusion:
+            raise ValueError("cluster.backend=ray runs autoregressive models; block-diffusion RL (EBPO) runs in "
+                             "one process or under `arbor launch`")
         self.out.mkdir(parents=True, exist_ok=True)
         self.started = ray_env.start(c, self.out)
         self.layout = placement.place(c)
