@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "ep", "routepack"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "ep", "routepack", "cluster"]
 
 
 def add_bench(sub) -> None:
@@ -100,7 +100,8 @@ def add_train(sub) -> None:
         cfg = load_train_config(path, over)
         if cfg.cluster.backend == "ray":
             from arbor.cluster.run import train as train_on_ray
-            return train_on_ray(cfg) and None
+            train_on_ray(cfg)
+            return
         from arbor.train.run import train
         train(plain_rl_config(cfg))
 

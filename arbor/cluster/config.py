@@ -37,6 +37,7 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0   # disaggregated only
     threads: int = 0               # torch threads per actor (0: the whole CPUs its bundle share holds, at least 1)
     weight_sync: str = "store"     # store: Ray object store | broadcast: a gloo group of trainer rank 0 and the replicas
+    stream_interval_ms: float = 50.0   # least time between two chunks of a replica's token stream (0: every step)
     num_cpus: int = 0              # a local cluster's CPUs (0: this machine's cores)
     object_store_mb: int = 0       # a local cluster's object store (0: Ray's default)
     temp_dir: str = ""             # Ray's session files of a local cluster ("": OUT/ray)
@@ -52,6 +53,7 @@ class ClusterConfig:
               (self.gpus_per_engine >= 0, "gpus_per_engine", "must be ≥ 0"),
               (self.threads >= 0, "threads", "must be ≥ 0"),
               (self.weight_sync in WEIGHT_SYNCS, "weight_sync", f"must be one of {WEIGHT_SYNCS}"),
+              (self.stream_interval_ms >= 0, "stream_interval_ms", "must be ≥ 0"),
               (self.num_cpus >= 0, "num_cpus", "must be ≥ 0"), (self.object_store_mb >= 0, "object_store_mb", "must be ≥ 0"),
               (self.max_replacements >= 0, "max_replacements", "must be ≥ 0"),
               (self.start_timeout_s > 0, "start_timeout_s", "must be > 0"))

@@ -36,7 +36,7 @@ def replica_spec(rl, c) -> ReplicaSpec:
     engine = dict(dtype=rl.engine_dtype, device=rl.device, logit_noise=rl.engine_logit_noise,
                   max_model_len=rl.rollout.max_context + 64, logit_noise_dist=rl.engine_noise_dist,
                   logit_noise_frac=rl.engine_noise_frac)
-    return ReplicaSpec(rl.model, engine, 1)
+    return ReplicaSpec(rl.model, engine, 1, c.stream_interval_ms / 1e3)
 
 
 class ClusterRun:
