@@ -60,13 +60,22 @@ def test_ray_files_stay_in_the_run_folder(cluster):
     assert len(ray_env.short_temp_dir(long)) <= ray_env.MAX_TEMP_DIR_CHARS and long.is_dir()
 
 
+def test_a_placement_the_cluster_cannot_hold_names_what_it_needs(cluster):
+    from arbor.cluster import placement
+    with pytest.raises(ValueError, match=r"could not place 2 bundles .*'CPU': 8.*the cluster has \{'CPU': 2"):
+        placement.place(ClusterConfig(colocate=False, engines=2, cpus_per_engine=4, start_timeout_s=1))
+
+
 @pytest.fixture(scope="module")
 def ray_run(cluster, model_dir, tmp_path_factory):
-    """A 2-rank, 2-replica run of 3 steps whose rank 1 is killed after a step, then the same command
-    again (it resumes). → (the second run, still up; its rows; the run folder; the first run's error)."""
+    """A 2-rank, 2-replica run of 3 steps, disaggregated, whose rank 1 is killed after a step, then
+    the same run colocated (it resumes: placement is not part of a checkpoint's settings).
+    → (the second run, still up; its rows; the run folder; the first run's error and placement)."""
     out = tmp_path_factory.mktemp("ray_run")
-    cfg = load_train_config(None, ["cluster=ray", "cluster.engines=2", "cluster.trainers=2", *rl_words(model_dir, out, 3)])
-    first = ClusterRun(cfg).start().launch()
+    words = ["cluster=ray", "cluster.engines=2", "cluster.trainers=2", *rl_words(model_dir, out, 3)]
+    apart = ["cluster.colocate=false", "cluster.cpus_per_trainer=0.5", "cluster.cpus_per_engine=0.5"]
+    cfg = load_train_config(None, words)
+    first = ClusterRun(load_train_config(None, words + apart)).start().launch()
     try:
         deadline = time.monotonic() + 60
         while (first._progress(None) or {}).get("steps", 0) < 1:
@@ -80,13 +89,13 @@ def ray_run(cluster, model_dir, tmp_path_factory):
     second = ClusterRun(cfg).start()
     try:
         rows = second.wait()
-        yield second, rows, out, str(died.value)
+        yield second, rows, out, str(died.value), first.info["placement"]
     finally:
         second.close()
 
 
 def test_a_dead_trainer_rank_stops_the_run_naming_it_and_the_same_command_resumes(ray_run):
-    run, rows, out, error = ray_run
+    run, rows, out, error, _ = ray_run
     assert re.search(r"trainer rank 1 of 2 \(pid \d+, node .*\) died.* resumes from .*checkpoint", error), error
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [0, 1, 2] and rows[-1]["step"] == 2
@@ -94,8 +103,11 @@ def test_a_dead_trainer_rank_stops_the_run_naming_it_and_the_same_command_resume
 
 def test_two_replicas_two_ranks_give_the_single_process_metrics_and_one_hf_folder(ray_run, model_dir, tmp_path):
     from arbor.train.run import train as train_here
-    run, rows, out, _ = ray_run
+    run, rows, out, _, apart = ray_run
     assert len({t["pid"] for t in run.info["trainers"]}) == 2 and len({r["pid"] for r in run.info["replicas"]}) == 2
+    together = run.info["placement"]             # colocated: replica j shares trainer rank j's bundle
+    assert together["groups"] == 1 and [e["bundle"] for e in together["engines"]] == [0, 1]
+    assert apart["groups"] == 2 and {e["group"] for e in apart["engines"]} == {1}     # disaggregated: their own
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["samples"] == 8 for r in logged)          # 2 ranks × 2 groups × 2 samples
     assert all(r["mismatch_abs"] < 1e-5 for r in logged)   # float32 replicas sample what the trainer computes
@@ -120,20 +132,19 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_d
     from arbor.train.logprobs import packed_logprobs
     tok, model = builtin_tokenizer(), load_model(ray_run[2] / "final" / "model").eval()   # what the replicas serve
     engine = RemoteEngine(replicas)
-    collector = Collector(engine, tok, RolloutConfig(max_turn_tokens=64, max_context=200, branch=[4]),
+    collector = Collector(engine, tok, RolloutConfig(max_turn_tokens=64, max_context=160, branch=[4]),
                           sampling_factory(tok, False))
     epoch, victim = engine.slots[0][0], ray.get(engine.slots[0][1].info.remote())["pid"]
 
     async def rollout():
         pool = []
         for g in range(4):
-            p = LongTailProblem("ab"[g % 2], 48)
+            p = LongTailProblem("ab"[g % 2], 64)
             pool += await collector.start(LongTailEnvironment(p), g, p, 0)
 
-        async def kill_when_streaming():
-            while engine.load[0] == 0:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)
+        async def kill_when_streaming():          # once the first tokens arrived: ~56 of each sample to go
+            while not any(ep.partial is not None and ep.partial.tokens for ep in pool):
+                await asyncio.sleep(0.002)
             os.kill(victim, signal.SIGKILL)
 
         killer = asyncio.ensure_future(kill_when_streaming())
@@ -146,7 +157,7 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_d
     assert not left and engine.resubmitted > 0
     assert sorted(t.group for t in trajs) == sorted(list(range(4)) * 4)          # every group, 4 leaves each
     assert len({tuple(t.tokens) for t in trajs}) == 16                          # none twice
-    assert all(t.num_model_tokens == 48 and len(t.logp_infer) == len(t.tokens) for t in trajs)
+    assert all(t.num_model_tokens == 64 and len(t.logp_infer) == len(t.tokens) for t in trajs)
     logp, cu = packed_logprobs(model, [t.tokens for t in trajs])              # stitched streams are exact
     for j, t in enumerate(trajs):
         mask = torch.tensor(t.loss_mask, dtype=torch.bool)

@@ -71,7 +71,11 @@ class ClusterRun:
         if c.weight_sync == "broadcast":
             ray.get(self.manager.set_source.remote(self.trainers[0]))
         replicas = ray.get([h.info.remote() for _, h in table])
+        where = lambda bs: [{"group": self.layout.groups.index(b.pg), "bundle": b.index, "cpus": b.cpus, "gpus": b.gpus}
+                            for b in bs]
         self.info = {"cluster": dataclasses.asdict(c), "trainers": ranks, "replicas": replicas,
+                     "placement": {"groups": len(self.layout.groups), "trainers": where(self.layout.trainers),
+                                   "engines": where(self.layout.engines)},
                      "engine_threads": spec.threads,
                      "ray_temp_dir": str(Path(c.temp_dir or self.out / "ray").resolve()) if self.started and not c.address
                      else None}
