@@ -1,8 +1,9 @@
 """``arbor plan calibrate``: measure this machine and fit the planner's cost model (``arbor.plan.cost``).
 
 Two measurements on one process (``threads`` intra-op threads: one per EP rank is what the 2-rank
-CPU runs use), each the fastest of ``repeats`` timed calls after one warm-up (other processes on a
-shared machine only ever add time, so the minimum is the least disturbed reading):
+CPU runs use). Every measured call runs once to warm up, then ``repeats`` rounds run all of them in
+turn, and each keeps its fastest time: other processes on a shared machine only ever add time, and
+interleaving spreads a burst of their load over all the readings instead of one:
 
 1. one expert, forward + backward of R rows (R = 64 … 1024) → e, the seconds per routed row;
 2. the whole model, forward + backward (cross-entropy) of packed batches of equal-length sequences
@@ -27,37 +28,41 @@ BATCHES = [(32, 16), (64, 16), (128, 8), (256, 4), (512, 2), (1024, 1), (128, 4)
 ROWS = [64, 128, 256, 512, 1024]
 
 
-def _fastest(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _fastest(fns: list, repeats: int) -> list[float]:
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for j, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[j] = min(best[j], time.perf_counter() - t0)
+    return best
 
 
-def measure_expert(model, rows: list[int], repeats: int) -> list[float]:
+def expert_calls(model, rows: list[int]) -> list:
+    """Forward + backward of R rows through one expert of the model's shape, per R."""
     from arbor.models.moe import Experts
     D, I = model.config.hidden_size, model.config.moe_intermediate_size
     experts = Experts(1, D, I)
-    out = []
+    calls = []
     for R in rows:
         x = torch.randn(R, D, requires_grad=True)
 
-        def run():
+        def run(x=x):
             experts.zero_grad(set_to_none=True)
             experts.grouped([x]).square().mean().backward()
-        out.append(_fastest(run, repeats))
-    return out
+        calls.append(run)
+    return calls
 
 
-def measure_model(model, batches, repeats: int, seed: int = 0) -> list[dict]:
+def model_calls(model, batches, seed: int = 0) -> list:
+    """Forward + backward of the whole model on each packed batch, routing replayed uniformly."""
     from arbor.models import VarlenAttention
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     Lm, k, E = len(cfg.moe_layers), cfg.num_experts_per_tok, cfg.num_experts
-    runs = []
+    calls = []
     for n, count in batches:
         T = n * count
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
@@ -67,12 +72,12 @@ def measure_model(model, batches, repeats: int, seed: int = 0) -> list[dict]:
         routed = torch.stack([(base + layer) % E for layer in range(Lm)])
         attn = VarlenAttention.from_lengths([n] * count)
 
-        def run():
+        def run(ids=ids, labels=labels, routed=routed, attn=attn):
             model.zero_grad(set_to_none=True)
             logits = model.logits(model(ids, attn, routed_experts=routed).hidden)
             F.cross_entropy(logits, labels).backward()
-        runs.append({"lengths": [n] * count, "seconds": _fastest(run, repeats)})
-    return runs
+        calls.append(run)
+    return calls
 
 
 def calibrate(model, repeats: int = 3, threads: int = 1, batches=None, rows=None) -> CostModel:
@@ -81,9 +86,10 @@ def calibrate(model, repeats: int = 3, threads: int = 1, batches=None, rows=None
     torch.set_num_threads(threads)
     try:
         model.train()
-        rows = rows or ROWS
-        expert_s = measure_expert(model, rows, repeats)
-        runs = measure_model(model, batches or BATCHES, repeats)
+        rows, batches = rows or ROWS, batches or BATCHES
+        secs = _fastest(expert_calls(model, rows) + model_calls(model, batches), repeats)
+        expert_s = secs[:len(rows)]
+        runs = [{"lengths": [n] * count, "seconds": t} for (n, count), t in zip(batches, secs[len(rows):])]
     finally:
         torch.set_num_threads(old)
     cfg = model.config
