@@ -1,7 +1,7 @@
 """Scale-out on Ray: RL step time and rollout tokens/s with 1 vs 2 engine replicas, weight-sync time per method.
 
 On a local Ray cluster (this machine's cores, no dashboard, session files under ``--work``), the tiny
-model (0.8 M parameters) runs the same synchronous RL steps (longtail task, 8 groups × 4 samples, at
+model (0.8 M parameters) runs the same synchronous RL steps (longtail task, ``--groups`` 8 × 4 samples, at
 most ``--max-new`` tokens per sample, 1 trainer rank, colocated) in these systems:
 - ``local``: the single-process loop (``RLTrainer`` with its own in-process engine, one thread), the baseline;
 - ``ray, E replica(s)``: ``arbor train cluster=ray`` with E engine replicas, object-store sync;
@@ -31,8 +31,8 @@ from arbor.bench.common import median, print_table, print_targets, target, write
 MB = 1 << 20
 
 
-def rl_words(model: Path, out: Path, steps: int, max_new: int) -> list[str]:
-    return [f"model={model}", f"out={out}", "task=longtail", f"steps={steps}", "groups_per_step=8", "checkpoint_every=0",
+def rl_words(model: Path, out: Path, steps: int, max_new: int, groups: int) -> list[str]:
+    return [f"model={model}", f"out={out}", "task=longtail", f"steps={steps}", f"groups_per_step={groups}", "checkpoint_every=0",
             "c3po.enabled=false", f"rollout.max_turn_tokens={max_new}", f"rollout.max_context={48 + max_new}",
             "rollout.branch=[4]", "log.progress=false", "log.tensorboard=false"]
 
@@ -112,7 +112,7 @@ def sync_times(model_dir: Path, repeats: int) -> dict:
         ray.util.remove_placement_group(pg)
 
 
-def run(out_dir="bench_results", steps=4, max_new=48, sync_hidden=512, sync_layers=8, sync_repeats=5, work=None):
+def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512, sync_layers=8, sync_repeats=5, work=None):
     import torch
 
     from arbor.bench.rl_setup import tiny_model
@@ -129,7 +129,7 @@ def run(out_dir="bench_results", steps=4, max_new=48, sync_hidden=512, sync_laye
                                head_dim=64, eos_token_id=tok.eos_token_id))
     save_model(big, work / "big", tokenizer=tok)
     del big
-    words = lambda name: rl_words(work / "tiny", work / name, steps + 1, max_new)
+    words = lambda name: rl_words(work / "tiny", work / name, steps + 1, max_new, groups)
     systems = {"local (one process)": local_run(words("local"))}
     started = ray_env.start(ClusterConfig(temp_dir=str(work / "ray")), work)
     try:
@@ -141,14 +141,14 @@ def run(out_dir="bench_results", steps=4, max_new=48, sync_hidden=512, sync_laye
         ray_env.stop(started)
     rows = [[n, 1e3 * s["step_s"], 1e3 * s["rollout_s"], s["tokens_per_s"], 1e3 * s["train_s"], 1e3 * s["sync_s"]]
             for n, s in systems.items()]
-    print_table(f"one synchronous RL step (8x4 samples, <= {max_new} tokens), tiny model, median of {steps}",
+    print_table(f"one synchronous RL step ({groups}x4 samples, <= {max_new} tokens), tiny model, median of {steps}",
                 ["system", "step ms", "rollout ms", "rollout tok/s", "train ms", "sync ms"], rows)
     print_table(f"weight sync to 2 replicas, {sync['bytes'] / MB:.0f} MB float32, median of {sync_repeats}",
                 ["method", "ms"], [["store (object store)", 1e3 * sync["store"]], ["broadcast (gloo)", 1e3 * sync["broadcast"]]])
     one, two = systems["ray, 1 replica"], systems["ray, 2 replicas"]
     default = ClusterConfig().weight_sync
     other = "broadcast" if default == "store" else "store"
-    result = {"config": {"steps": steps, "max_new": max_new, "groups": 8, "samples": 4, "sync_bytes": sync["bytes"]},
+    result = {"config": {"steps": steps, "max_new": max_new, "groups": groups, "samples": 4, "sync_bytes": sync["bytes"]},
               "systems": systems, "sync": sync, "default_sync": default,
               "rollout_speedup_2_vs_1": two["tokens_per_s"] / one["tokens_per_s"],
               "step_time_2_vs_1": two["step_s"] / one["step_s"]}
@@ -175,6 +175,7 @@ def run(out_dir="bench_results", steps=4, max_new=48, sync_hidden=512, sync_laye
 def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=4, help="measured RL steps per system (after one warm-up)")
     p.add_argument("--max-new", type=int, default=48, help="most new tokens per sample")
+    p.add_argument("--groups", type=int, default=8, help="groups (of 4 samples) per RL step")
     p.add_argument("--sync-hidden", type=int, default=512, help="hidden size of the weight-sync model")
     p.add_argument("--sync-layers", type=int, default=8)
     p.add_argument("--sync-repeats", type=int, default=5)
@@ -184,5 +185,5 @@ def add_arguments(p) -> None:
 def main(args) -> None:
     if args.device != "cpu":
         raise ValueError("arbor bench cluster runs on CPU (its replicas are Ray actors with CPU bundles)")
-    run(out_dir=args.out, steps=args.steps, max_new=args.max_new, sync_hidden=args.sync_hidden,
+    run(out_dir=args.out, steps=args.steps, max_new=args.max_new, groups=args.groups, sync_hidden=args.sync_hidden,
         sync_layers=args.sync_layers, sync_repeats=args.sync_repeats, work=args.work)
