@@ -182,3 +182,14 @@ def test_weights_after_a_sync_equal_the_trainers_bit_for_bit_on_every_replica(re
     for _, handle in ray.get(replicas.table.remote()):
         assert ray.get(handle.digests.remote()) == want
     assert ray.get(replicas.stats.remote())["version"] == engine.version
+
+
+def test_the_weight_buffer_round_trips_every_dtype_bit_for_bit_and_a_tied_weight_once():
+    from arbor.cluster.weights import flatten, unflatten
+    emb = torch.randn(7, 3)
+    named = {"emb": emb, "head": emb, "b": torch.randn(5).bfloat16(), "h": torch.randn(3).half(),
+             "i": torch.arange(3), "flag": torch.tensor([True, False, True]), "s": torch.tensor(2.5)}
+    flat, layout = flatten(named)
+    back = unflatten(flat, layout)
+    assert digests(back) == digests(named) and all(back[k].dtype == v.dtype for k, v in named.items())
+    assert flat.numel() < 2 * emb.numel() * 4 + 200          # the tied tensor is stored once

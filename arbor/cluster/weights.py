@@ -1,6 +1,7 @@
 """Weights on the wire: one flat byte buffer per sync, and a standalone gloo broadcast group.
 
-``flatten(named)`` packs every tensor's raw bytes, in order (each at a 16-byte aligned offset), into one contiguous uint8 tensor and
+``flatten(named)`` packs every tensor's raw bytes, in order (each at a 16-byte aligned offset; a
+tensor that is another name's storage, such as a tied head, once), into one contiguous uint8 tensor and
 returns ``Layout`` (name, dtype, shape, byte offset per tensor); ``unflatten`` views them back. The
 round trip is bit-exact for every dtype (bfloat16 included): nothing is converted, only bytes move.
 Both sync methods carry this buffer:
@@ -44,15 +45,20 @@ class Layout:
 def flatten(named, hf_names: bool = False):
     """→ (uint8 CPU tensor holding every tensor's bytes, its ``Layout``)."""
     import torch
-    parts, entries, off = [], [], 0
+    parts, entries, off, seen = [], [], 0, {}
     for name, t in named.items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+        if key in seen:                      # a tied weight (embedding = head) travels once
+            entries.append(Entry(name, *seen[key]))
+            continue
         t = t.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8)
         pad = -off % ALIGN                   # every tensor starts aligned for its dtype's view
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8))
             off += pad
-        entries.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, raw.numel()))
+        seen[key] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), off, raw.numel())
+        entries.append(Entry(name, *seen[key]))
         parts.append(raw)
         off += raw.numel()
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
