@@ -22,6 +22,7 @@ Targets: rollout tokens/s with 2 replicas ≥ 1.5 × 1 replica; the default sync
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -119,6 +120,10 @@ def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512,
     from arbor.cluster import ray_env
     from arbor.cluster.config import ClusterConfig
     from arbor.models import CausalLM, ModelConfig, save_model
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: the machine is busy (1-min load average {load_before:.1f} on {os.cpu_count()} cores): "
+              "the replicas compete with other processes, so the 2-replica figures understate scaling")
     work = Path(work or tempfile.mkdtemp(prefix="bench_cluster_"))
     model, tok = tiny_model(seed=0)
     save_model(model, work / "tiny", tokenizer=tok)
@@ -150,6 +155,7 @@ def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512,
     other = "broadcast" if default == "store" else "store"
     result = {"config": {"steps": steps, "max_new": max_new, "groups": groups, "samples": 4, "sync_bytes": sync["bytes"]},
               "systems": systems, "sync": sync, "default_sync": default,
+              "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
               "rollout_speedup_2_vs_1": two["tokens_per_s"] / one["tokens_per_s"],
               "step_time_2_vs_1": two["step_s"] / one["step_s"]}
     result["targets"] = [

@@ -125,6 +125,8 @@ class RemoteEngine:
                     finish = c.finish_reason
                     yield Completion(rid, 0, prompt, list(tokens), list(logprobs), finish, routed_experts=routed)
                 ended = True
+                if finish is None:
+                    raise RuntimeError(f"replica {slot} ended request {rid} without finishing it")
             except rex.RayActorError:
                 ended = True
                 self._lost(slot, epoch)
