@@ -3,8 +3,8 @@
 ``ClusterRun(cfg).start()`` connects to Ray (``ray_env``), creates the placement groups
 (``placement``), the replica manager with ``cluster.engines`` engine replicas, and ``cluster.trainers``
 trainer-rank actors that form one torch.distributed group; ``launch()`` starts every rank's
-training and ``wait()`` (which launches if needed) returns rank 0's metric rows; ``close()`` kills every actor, removes the groups and, for a cluster
-it started, ends Ray. ``train(cfg)`` does all three.
+training and ``wait()`` (which launches if needed) returns rank 0's metric rows; ``close()`` kills
+every actor, removes the groups and, for a cluster it started, ends Ray. ``train(cfg)`` does it all.
 
 Failures: a replica that dies is the engine clients' and the manager's business (the run goes on).
 A trainer rank that dies, or fails, stops the run: the driver kills the other ranks and raises
