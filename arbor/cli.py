@@ -363,7 +363,8 @@ def add_plan(sub) -> None:
             raise ValueError("arbor plan calibrate needs an MoE model")
         cost = calibrate(model, repeats=a.repeats, threads=a.threads)
         path = cost.save(a.out or default_cost_file())
-        print(f"a={cost.a:.4g} s/token  b={cost.b:.4g} s/token²  e={cost.e:.4g} s/routed row/layer  c0={cost.c0:.4g} s"
+        print(f"a={cost.a:.4g} s/token  b={cost.b:.4g} s/token²  c1={cost.c1:.4g} s/sequence  "
+              f"e={cost.e:.4g} s/routed row/layer  c0={cost.c0:.4g} s/micro-batch"
               f"  (R² experts {cost.meta['expert_fit_r2']:.3f}, steps {cost.meta['step_fit_r2']:.3f})")
         print(f"wrote {path}")
 

@@ -144,13 +144,14 @@ def test_baselines_cover_every_sample_and_kk_balances():
 
 def test_cost_fit_recovers_known_coefficients():
     rows = [64, 128, 256, 512]
-    runs = [{"lengths": [n] * k, "seconds": 0.0} for n, k in ((32, 8), (128, 4), (256, 2), (512, 1), (1024, 1))]
-    truth = CostModel(a=3e-4, b=2e-7, e=5e-5, c0=1e-2)
+    runs = [{"lengths": [n] * k, "seconds": 0.0} for n, k in ((32, 8), (128, 4), (256, 2), (512, 1), (1024, 1),
+                                                              (64, 16))]
+    truth = CostModel(a=3e-4, b=2e-7, e=5e-5, c0=1e-2, c1=2e-3)
     for r in runs:
         T = sum(r["lengths"])
         r["seconds"] = truth.c0 + truth.attention(r["lengths"]).sum() + truth.e * 2 * 2 * T
     got = fit(rows, [1e-3 + truth.e * R for R in rows], runs, moe_layers=2, top_k=2)
-    for k in ("a", "b", "e", "c0"):
+    for k in ("a", "b", "e", "c0", "c1"):
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-6)
     assert got.meta["step_fit_r2"] > 0.999
 
@@ -158,7 +159,7 @@ def test_cost_fit_recovers_known_coefficients():
 def test_cost_model_round_trips_through_json(tmp_path):
     path = COST.save(tmp_path / "cost.json")
     back = CostModel.load(path)
-    assert (back.a, back.b, back.e, back.c0) == (COST.a, COST.b, COST.e, COST.c0)
+    assert (back.a, back.b, back.e, back.c0, back.c1) == (COST.a, COST.b, COST.e, COST.c0, COST.c1)
     with pytest.raises(FileNotFoundError, match="arbor plan calibrate"):
         CostModel.load(tmp_path / "missing.json")
 

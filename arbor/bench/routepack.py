@@ -5,7 +5,8 @@ Traces (every sample's replayed expert ids per MoE layer and token):
   (Pareto) lengths (``arbor.plan.traces``);
 - ``recorded``: rollouts of the bench's MoE model (random weights from fixed seeds): the engine
   samples completions of random prompts (long-tailed prompt and completion lengths), then one
-  forward per sequence records every token's top-k experts (what routing replay would force).
+  forward per sequence records every token's top-k experts (what routing replay would force); the
+  measured steps take the first ``--step-samples`` rollouts of the first windows.
 
 (a) Planner only, per window of ``--samples`` samples: the modeled step time (``arbor.plan.cost``,
 fitted by ``arbor plan calibrate`` or read from ``--cost-file``) of RoutePack, token balancing and
@@ -167,6 +168,7 @@ def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmu
     migr = [g for g in ranks[0]["migrations"] if g["to"] == "RoutePack"]
     mig_s = median([g["seconds"] for g in migr]) if migr else 0.0
     return {"kind": kind, "tokens_per_step": tokens, "step_s": step_s, "tokens_per_s": tps,
+            "rank_seconds": [r["seconds"] for r in ranks],
             "routepack_over_kk": tps["RoutePack"] / tps["KK + static"],
             "routepack_over_token": tps["RoutePack"] / tps["token balance"],
             "migration_s": mig_s, "migration_moved": median([g["moved"] for g in migr]) if migr else 0,
@@ -180,6 +182,9 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
     shape = shape or model_shape()
     E = shape["num_experts"]
     anneal = anneal or AnnealConfig()
+    if step_samples > samples:
+        raise ValueError(f"--step-samples ({step_samples}) must be ≤ --samples ({samples}): measured recorded steps "
+                         "take the first samples of the recorded windows")
     if cost_file and Path(cost_file).exists():
         cost = CostModel.load(cost_file)
     else:
@@ -191,13 +196,17 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
         print("calibrating the cost model on this machine (1 thread) ...", flush=True)
         cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
         cost.save(Path(out_dir) / "routepack_cost.json")
-    print(f"cost model: a={cost.a:.3g} s/token, b={cost.b:.3g} s/token², e={cost.e:.3g} s/routed row, "
-          f"c0={cost.c0:.3g} s ({cost.meta.get('file', cost.meta.get('source', 'fitted now'))})", flush=True)
+    print(f"cost model: a={cost.a:.3g} s/token, b={cost.b:.3g} s/token², c1={cost.c1:.3g} s/sequence, "
+          f"e={cost.e:.3g} s/routed row, c0={cost.c0:.3g} s ({cost.meta.get('file', cost.meta.get('source', 'fitted now'))})", flush=True)
     traces = {"synthetic": synthetic_windows(shape, windows, samples, seed, max_len)}
-    if recorded_windows:
+    recorded = []
+    if recorded_windows or measure:
         t0 = time.perf_counter()
-        traces["recorded"] = record_traces(shape, recorded_windows, samples, seed, max_len)
-        print(f"recorded {recorded_windows * samples} rollouts in {time.perf_counter() - t0:.0f} s", flush=True)
+        count = max(recorded_windows, measure_steps if measure else 0)
+        recorded = record_traces(shape, count, samples, seed, max_len)
+        print(f"recorded {count * samples} rollouts in {time.perf_counter() - t0:.0f} s", flush=True)
+    if recorded_windows:
+        traces["recorded"] = recorded[:recorded_windows]
     planner = {k: planner_only(k, w, E, cap, cost, anneal) for k, w in traces.items() if w}
     measured, measured_info = {}, {}
     if measure:
@@ -207,8 +216,8 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
                                    max_len=max_len)
                 steps = [synthetic(step_samples, E, shape["num_hidden_layers"], shape["num_experts_per_tok"],
                                    seed=seed + 600 + t, max_len=max_len, popularity=pop)[0] for t in range(measure_steps)]
-            else:
-                steps = record_traces(shape, measure_steps, step_samples, seed + 700, max_len)
+            else:         # the first samples of the recorded windows
+                steps = [window[:step_samples] for window in recorded[:measure_steps]]
             plans, info = measured_plans(steps, window_steps, E, cap, cost, anneal)
             measured_info[kind] = info
             measured[kind] = run_measured(kind, steps, shape, plans, repeats, warmup, timeout_s)
@@ -269,7 +278,7 @@ def report(out_dir, shape, cost, planner, measured, config) -> dict:
         print("note: other processes kept CPU cores busy during the measured runs ("
               + ", ".join(f"{k} {v:.2f}" for k, v in busy.items() if v is not None) + " cores): times are unreliable")
     result = {"config": {**config, "shape": shape}, "cost_model": {"a": cost.a, "b": cost.b, "e": cost.e,
-                                                                  "c0": cost.c0, "meta": cost.meta},
+                                                                  "c0": cost.c0, "c1": cost.c1, "meta": cost.meta},
               "planner": planner, "measured": measured, "certified_rate": rate, "other_cpu_cores": busy,
               "targets": targets}
 

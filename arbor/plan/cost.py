@@ -4,10 +4,11 @@ A slot s is one micro-batch on every data-parallel rank d of an EP group g (they
 every MoE layer's all-to-all waits for the slowest rank). With cell (d, s) holding samples of
 lengths n_i and routing X_l[d, s, r] = token copies that cell sends to EP rank r at MoE layer l:
 
-    cost_g(s) = c0 + max_{d ∈ g} Σ_{i ∈ (d,s)} (a·n_i + b·n_i²) + e · Σ_l max_r Σ_{d ∈ g} X_l[d, s, r]
+    cost_g(s) = c0 + max_{d ∈ g} Σ_{i ∈ (d,s)} (c1 + a·n_i + b·n_i²) + e · Σ_l max_r Σ_{d ∈ g} X_l[d, s, r]
 
-- the attention proxy A(n) = a·n + b·n² holds every per-token cost outside the experts (a:
-  projections, norms, head, embeddings) and causal attention's quadratic part (b);
+- the attention proxy A(n) = c1 + a·n + b·n² holds every per-token cost outside the experts (a:
+  projections, norms, head, embeddings), causal attention's quadratic part (b) and a fixed cost per
+  sequence (c1: packed varlen attention runs one kernel per sequence);
 - the EP peak: per layer, the EP rank with the most routed copies of the slot's tokens from all DP
   ranks of the group sets the pace; e = seconds per routed copy (forward + backward of one row
   through one expert, per layer);
@@ -41,11 +42,12 @@ class CostModel:
     b: float = 1.0e-7        # s per token² of a causal sequence
     e: float = 1.0e-4        # s per routed token copy on an EP rank, per MoE layer (fwd + bwd)
     c0: float = 5.0e-3       # s per micro-batch
+    c1: float = 0.0          # s per sequence
     meta: dict = field(default_factory=dict)   # how and where it was fitted
 
     def attention(self, lengths) -> np.ndarray:
         n = np.asarray(lengths, dtype=float)
-        return self.a * n + self.b * n * n
+        return self.c1 + self.a * n + self.b * n * n
 
     @property
     def kk_c(self) -> float:
@@ -67,7 +69,7 @@ class CostModel:
                 raise FileNotFoundError(f"no cost model at {p}; write one with `arbor plan calibrate --out {p}`")
             return cls(meta={"source": "built-in defaults"})
         data = json.loads(p.read_text())
-        return cls(**{k: data[k] for k in ("a", "b", "e", "c0") if k in data}, meta={**data.get("meta", {}),
+        return cls(**{k: data[k] for k in ("a", "b", "e", "c0", "c1") if k in data}, meta={**data.get("meta", {}),
                                                                                       "file": str(p)})
 
 
@@ -92,21 +94,23 @@ def fit(expert_rows: list[int], expert_seconds: list[float], runs: list[dict], m
     ``expert_rows/expert_seconds``: forward+backward of R rows through one expert → e (slope).
     ``runs``: each {"lengths": [...], "seconds": t} a single-process forward+backward of those
     packed sequences (every token's k copies computed locally); t − e·layers·k·Σn is fitted by
-    c0 + a·Σn + b·Σn² (non-negative least squares). → the model, with R² of both fits in ``meta``."""
+    c0 + c1·#sequences + a·Σn + b·Σn² (non-negative least squares). → the model, with R² of both
+    fits in ``meta``."""
     R, t = np.asarray(expert_rows, float), np.asarray(expert_seconds, float)
     e_fit = nonneg_lstsq(np.stack([np.ones_like(R), R], 1), t)
     e = float(e_fit[1])
     tokens = np.array([sum(r["lengths"]) for r in runs], float)
     squares = np.array([sum(n * n for n in r["lengths"]) for r in runs], float)
+    seqs = np.array([len(r["lengths"]) for r in runs], float)
     secs = np.array([r["seconds"] for r in runs], float)
     y = secs - e * moe_layers * top_k * tokens
-    X = np.stack([np.ones_like(tokens), tokens, squares], 1)
-    c0, a, b = nonneg_lstsq(X, y)
+    X = np.stack([np.ones_like(tokens), seqs, tokens, squares], 1)
+    c0, c1, a, b = nonneg_lstsq(X, y)
 
     def r2(Xm, w, target):
         res = target - Xm @ w
         return float(1 - (res @ res) / max(((target - target.mean()) ** 2).sum(), 1e-30))
 
     meta = {**(meta or {}), "expert_fit_r2": r2(np.stack([np.ones_like(R), R], 1), e_fit, t),
-            "step_fit_r2": r2(X, np.array([c0, a, b]), y), "runs": len(runs)}
-    return CostModel(a=float(a), b=float(b), e=e, c0=float(c0), meta=meta)
+            "step_fit_r2": r2(X, np.array([c0, c1, a, b]), y), "runs": len(runs)}
+    return CostModel(a=float(a), b=float(b), e=e, c0=float(c0), c1=float(c1), meta=meta)

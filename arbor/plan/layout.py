@@ -7,7 +7,7 @@ g = d // W of W consecutive ranks. Energy (``arbor.plan.cost``): the modeled ste
 
     E = max_g Σ_s [ c0 + max_{d∈g} A(d,s) + e · Σ_l max_r Σ_{d∈g} X_l(d,s,r) ]
 
-with A(d,s) = Σ_{i∈(d,s)} a·n_i + b·n_i² and X_l(d,s,r) the routed copies of the cell's tokens to
+with A(d,s) = Σ_{i∈(d,s)} c1 + a·n_i + b·n_i² and X_l(d,s,r) the routed copies of the cell's tokens to
 EP rank r at MoE layer l under the layer's placement.
 
 Search: parallel population annealing, vectorised over a population of P layouts. At inverse

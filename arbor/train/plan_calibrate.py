@@ -6,9 +6,11 @@ turn, and each keeps its fastest time: other processes on a shared machine only 
 interleaving spreads a burst of their load over all the readings instead of one:
 
 1. one expert, forward + backward of R rows (R = 64 … 1024) → e, the seconds per routed row;
-2. the whole model, forward + backward (cross-entropy) of packed batches of equal-length sequences
-   (lengths 32 … 2048, 512 to 2048 tokens), routing replayed uniformly over the experts so that each
-   MoE layer computes k copies of every token → c0, a, b after subtracting e·layers·k·Σn.
+2. the whole model, forward + backward (cross-entropy) of packed batches of 1 … 16 sequences of
+   about n tokens each (n = 32 … 2048, alternately n − 1 and n + 1 so that attention takes the
+   varlen path real batches take; 512 to 2048 tokens), routing replayed uniformly over the experts so
+   that each MoE layer computes k copies of every token → c0, c1, a, b after subtracting
+   e·layers·k·Σn.
 
 The fit (non-negative least squares) is written as JSON (``CostModel.save``) with the shape, the
 threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``).
@@ -63,14 +65,14 @@ def model_calls(model, batches, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     Lm, k, E = len(cfg.moe_layers), cfg.num_experts_per_tok, cfg.num_experts
     calls = []
-    for n, count in batches:
-        T = n * count
+    for lengths in batches:
+        T = sum(lengths)
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
         labels = torch.cat([ids[1:], ids[:1]])
         # uniform routing: token t's j-th copy goes to expert (t·k + j + layer) mod E (k distinct experts)
         base = (torch.arange(T)[:, None] * k + torch.arange(k)[None, :])
         routed = torch.stack([(base + layer) % E for layer in range(Lm)])
-        attn = VarlenAttention.from_lengths([n] * count)
+        attn = VarlenAttention.from_lengths(lengths)
 
         def run(ids=ids, labels=labels, routed=routed, attn=attn):
             model.zero_grad(set_to_none=True)
@@ -86,10 +88,12 @@ def calibrate(model, repeats: int = 3, threads: int = 1, batches=None, rows=None
     torch.set_num_threads(threads)
     try:
         model.train()
-        rows, batches = rows or ROWS, batches or BATCHES
+        rows = rows or ROWS
+        batches = batches or [[n + (1 if i % 2 else -1) if count > 1 else n for i in range(count)]
+                              for n, count in BATCHES]
         secs = _fastest(expert_calls(model, rows) + model_calls(model, batches), repeats)
         expert_s = secs[:len(rows)]
-        runs = [{"lengths": [n] * count, "seconds": t} for (n, count), t in zip(batches, secs[len(rows):])]
+        runs = [{"lengths": list(lengths), "seconds": t} for lengths, t in zip(batches, secs[len(rows):])]
     finally:
         torch.set_num_threads(old)
     cfg = model.config
