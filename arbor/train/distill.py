@@ -39,7 +39,7 @@ QUALITY_DELTA, SPEED_DELTA = 2, 8
 
 @dataclass
 class TADConfig:
-    delta: int = SPEED_DELTA
+    delta: int | None = None             # Δ; None: the mode's (Quality 2, Speed 8; `distill` alone: Speed's)
     steps: int = 1500                    # defaults = what `arbor bench dllm` distils with
     batch_size: int = 32
     seed: int = 0
@@ -47,6 +47,11 @@ class TADConfig:
     log_every: int = 50
     checkpoint_every: int = 250          # steps between resumable checkpoints (0: none)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
+
+
+def mode_delta(mode: str, delta: int | None = None) -> int:
+    """Δ of a TAD student: ``delta`` when given, else the mode's (Quality 2, Speed 8)."""
+    return delta if delta is not None else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
 
 
 @dataclass
@@ -163,7 +168,8 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
     teacher = teacher if teacher is not None else copy.deepcopy(student)
     teacher.eval().requires_grad_(False)
     mask_id, B = student.config.mask_token_id, student.config.block_size
-    pairs = make_pairs(trajectories, cfg.delta, mask_id, B, completed_blocks=cfg.visible_weight > 0)
+    delta = SPEED_DELTA if cfg.delta is None else cfg.delta
+    pairs = make_pairs(trajectories, delta, mask_id, B, completed_blocks=cfg.visible_weight > 0)
     if not pairs:
         raise ValueError("TAD has no training pairs: no correct teacher trajectory was recorded")
 
@@ -258,7 +264,7 @@ def distill_folder(cfg: DistillRunConfig, on_log=None) -> dict:
     print(f"TAD: {len(trajectories)} correct teacher trajectories", flush=True)
     out = {}
     for mode in modes:
-        delta = cfg.tad.delta if len(modes) == 1 else {"quality": QUALITY_DELTA, "speed": SPEED_DELTA}[mode]
+        delta = mode_delta(mode, cfg.tad.delta if len(modes) == 1 else None)
         student = load_model(model_dir, device=device)
         mode_cfg = replace(cfg.tad, delta=delta)
         run_log = RunLog(out_dir / mode, cfg, mode_cfg.steps, cfg.log, name=f"tad-{mode}")
