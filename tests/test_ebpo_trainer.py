@@ -64,6 +64,11 @@ def test_config_keys_are_validated():
 def test_eval_and_task_errors(dllm_dir, tmp_path):
     acc = evaluate_folder(str(dllm_dir), "sudoku", 4)
     assert 0 <= acc <= 1
+    from arbor.tasks.registry import DIFFUSION_TASKS, get_task
+    from arbor.train.diffusion import TASKS
+    assert TASKS is DIFFUSION_TASKS                        # one registry for both kinds of task
+    with pytest.raises(ValueError, match="block-diffusion task"):
+        get_task("sudoku")
     with pytest.raises(ValueError, match="no diffusion version"):
         build_trainer(configs.load(RLConfig, None, [f"model='{dllm_dir}'", "task='arithmetic'"]))
 

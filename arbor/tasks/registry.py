@@ -1,5 +1,10 @@
-"""Built-in tasks by name: each gives seeded problems with train/test splits, an environment per
-problem, a demonstration per problem (for SFT warm starts) and a verifier."""
+"""Built-in tasks by name, for both kinds of model.
+
+``TASKS`` / ``get_task``: autoregressive (chat, tools) tasks; each gives seeded problems with
+train/test splits, an environment per problem, a demonstration per problem (for SFT warm starts)
+and a verifier. ``DIFFUSION_TASKS`` / ``get_diffusion_task``: the block-diffusion tasks (prompt →
+answer decoded directly, no chat or tools): modules with ``GEN_LENGTH``, ``generate(n, seed, split)``
+and ``score(problem, text)``; masked-diffusion SFT, TAD, EBPO and the dLLM benches read them here."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from arbor.rollout.environment import ToolEnvironment
+from arbor.tasks import addition, countdown, sudoku
 
 
 @dataclass
@@ -86,7 +92,19 @@ TASKS = {"arithmetic": arithmetic_task, "countdown": countdown_task, "python": p
          "longtail": longtail_task}
 
 
+DIFFUSION_TASKS = {"sudoku": sudoku, "addition": addition, "countdown": countdown}
+
+
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task '{name}'; built-in tasks: {sorted(TASKS)}")
+        extra = f" ('{name}' is a block-diffusion task: train a dLLM on it)" if name in DIFFUSION_TASKS else ""
+        raise ValueError(f"unknown task '{name}'; built-in tasks: {sorted(TASKS)}{extra}")
     return TASKS[name]()
+
+
+def get_diffusion_task(name: str):
+    """The block-diffusion task module ``name`` (see module docstring)."""
+    if name not in DIFFUSION_TASKS:
+        raise ValueError(f"task '{name}' has no diffusion version; a block-diffusion model trains on one of "
+                         f"{sorted(DIFFUSION_TASKS)} (task=...)")
+    return DIFFUSION_TASKS[name]

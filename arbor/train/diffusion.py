@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from arbor.models import CausalLM, ModelConfig
-from arbor.tasks import addition, countdown, sudoku
+from arbor.tasks.registry import DIFFUSION_TASKS
 from arbor.train.loop import train_loop
 from arbor.train.optim import OptimConfig
 from arbor.train.run_log import LogConfig, RunLog
 
-TASKS = {"sudoku": sudoku, "addition": addition, "countdown": countdown}
+TASKS = DIFFUSION_TASKS                  # the one task registry's block-diffusion tasks
 EPS = 1e-3
 
 

@@ -47,12 +47,9 @@ def decode_config(mode: str, gen_length: int, **kw) -> DecodeConfig:
 
 class EBPOTrainer:
     def __init__(self, cfg, model, tokenizer, task_name: str, ctx=None):
-        from arbor.train.diffusion import TASKS
-        if task_name not in TASKS:
-            raise ValueError(f"task '{task_name}' has no diffusion version; a block-diffusion model trains on one of "
-                             f"{sorted(TASKS)} (task=...)")
+        from arbor.tasks.registry import get_diffusion_task
         self.cfg, self.model, self.tok, self.task_name = cfg, model, tokenizer, task_name
-        self.task = TASKS[task_name]
+        self.task = get_diffusion_task(task_name)
         self.ctx = ctx or DistContext.single()
         self.optimizer = make_optimizer(model, cfg.optim)
         self.problems = self.task.generate(max(512, cfg.steps * cfg.groups_per_step), seed=cfg.seed, split="train")
