@@ -94,7 +94,7 @@ class RemoteEngine:
         try:
             new_epoch, handle = await self.manager.replace.remote(slot, epoch)
         except Exception as e:                    # noqa: BLE001 (reported by _pick when no replica is left)
-            self.down[slot] = f"replica {slot} could not be replaced: {str(e).splitlines()[0] if str(e) else e!r}"
+            self.down[slot] = f"replica {slot} could not be replaced: {first_line(getattr(e, 'cause', None) or e)}"
             return
         self.slots[slot] = [new_epoch, handle]
         self.down.pop(slot, None)
@@ -162,13 +162,17 @@ class RemoteEngine:
         self.version += 1
         if not self.publisher:
             return 0.0
+        import ray
         flat, layout = flatten(named_tensors, hf_names=hf)
         self.kept = (self.version, flat, layout)
-        if self.weight_sync == "store":
-            import ray
-            ray.get(self.manager.push_store.remote(self.version, [ray.put(flat.numpy())], layout))
-        else:
-            self._broadcast(flat, layout)
+        try:
+            if self.weight_sync == "store":
+                ray.get(self.manager.push_store.remote(self.version, [ray.put(flat.numpy())], layout))
+            else:
+                self._broadcast(flat, layout)
+        except ray.exceptions.RayError as e:      # e.g. a replica died and cannot be replaced
+            cause = getattr(e, "cause", None) or e
+            raise ClusterError(f"weight sync of version {self.version} failed: {first_line(cause)}") from e
         return time.perf_counter() - t0
 
     def refresh(self) -> None:
@@ -214,6 +218,11 @@ def _join(routed, base: int, fresh):
             return fresh
         routed = fresh.new_full((fresh.shape[0], base, fresh.shape[2]), -1)
     return torch.cat([routed[:, :base], fresh], 1)
+
+
+def first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def ray_cancel(gen) -> None:
