@@ -24,6 +24,7 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
             assert set(w["energy"]) == {"token balance", "KK + static", "RoutePack"} and w["rows"] >= w["bound"]
     for m in r["measured"].values():
         assert all(v > 0 for v in m["tokens_per_s"].values()) and len(m["tokens_per_step"]) == 2
+        assert len(m["window_migrations"]) == 1 and m["window_migrations"][0]["to_step"] == 1   # 2 windows of 1 step
     assert [t["name"].split(",")[0] for t in r["targets"]][0] == "measured tokens/s"
     for t in r["targets"]:
         assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)

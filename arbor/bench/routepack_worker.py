@@ -97,9 +97,18 @@ def main(argv: list[str]) -> None:
                 run_step(model, opt, ctx, plan["cells"][ctx.rank], traces, tokens, global_tokens, device)
                 if rep >= spec["warmup"]:
                     seconds[m][k].append(time.perf_counter() - t0)
+    between = []          # RoutePack's own migrations: one window's placement → the next window's
+    starts = spec.get("window_starts", [])
+    for k0, k1 in zip(starts, starts[1:]):
+        migrate_experts(model, ctx, placements(spec["plans"]["RoutePack"][k0]["placements"], ctx.ep_size), opt)
+        ctx.barrier("before migration")
+        t0 = time.perf_counter()
+        info = migrate_experts(model, ctx, placements(spec["plans"]["RoutePack"][k1]["placements"], ctx.ep_size), opt)
+        between.append({"from_step": k0, "to_step": k1, "moved": info["moved"], "bytes_sent": info["bytes_sent"],
+                        "seconds": time.perf_counter() - t0})
     ctx.barrier("done")
     print(MARK + json.dumps({"rank": ctx.rank, "seconds": seconds, "migrations": migrations,
-                             "threads": torch.get_num_threads()}), flush=True)
+                             "window_migrations": between, "threads": torch.get_num_threads()}), flush=True)
     shutdown(ctx)
 
 

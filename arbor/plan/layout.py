@@ -32,8 +32,8 @@ import numpy as np
 @dataclass
 class AnnealConfig:
     population: int = 16       # P layouts annealed side by side
-    levels: int = 12           # temperatures β_0 … β_K
-    sweeps: int = 48           # proposals per member per temperature
+    levels: int = 8            # temperatures β_0 … β_K
+    sweeps: int = 24           # proposals per member per temperature
     beta_lo: float = 0.3       # β_0 = beta_lo / σ(ΔE)
     beta_hi: float = 300.0     # β_K = beta_hi / σ(ΔE)
     seed: int = 0
