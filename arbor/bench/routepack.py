@@ -186,7 +186,7 @@ def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmu
 
 
 def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=64, cap=2048, max_len=2048,
-        recorded_windows=4, measure_steps=4, window_steps=2, step_samples=32, repeats=3, warmup=1, seed=0,
+        recorded_windows=4, measure_steps=4, window_steps=2, step_samples=32, repeats=5, warmup=1, seed=0,
         cost_file=None, anneal=None, timeout_s=1800.0, measure=True) -> dict:
     shape = shape or model_shape()
     E = shape["num_experts"]
@@ -329,7 +329,7 @@ def add_arguments(p) -> None:
     p.add_argument("--measure-steps", type=int, default=4, help="training steps per trace kind in (b)")
     p.add_argument("--window-steps", type=int, default=2, help="steps sharing one RoutePack placement in (b)")
     p.add_argument("--step-samples", type=int, default=32, help="samples per training step in (b)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--population", type=int, default=16)
     p.add_argument("--levels", type=int, default=8)
