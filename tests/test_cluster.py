@@ -172,16 +172,20 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_d
 
 @pytest.mark.parametrize("method", ["store", "broadcast"])
 def test_weights_after_a_sync_equal_the_trainers_bit_for_bit_on_every_replica(replicas, model_dir, method):
+    """Also after a replica died between two syncs (it is replaced; the broadcast group is rebuilt)."""
     model = load_model(model_dir)
     engine = RemoteEngine(replicas, weight_sync=method, timeout_s=30)     # joins at the manager's version
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)
-    engine.update_weights(model.state_dict())
-    want = digests(model.state_dict())
-    for _, handle in ray.get(replicas.table.remote()):
-        assert ray.get(handle.digests.remote()) == want
-    assert ray.get(replicas.stats.remote())["version"] == engine.version
+    for kill in (False, True):
+        if kill:
+            os.kill(ray.get(ray.get(replicas.table.remote())[1][1].info.remote())["pid"], signal.SIGKILL)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)
+        engine.update_weights(model.state_dict())
+        want = digests(model.state_dict())
+        for _, handle in ray.get(replicas.table.remote()):
+            assert ray.get(handle.digests.remote()) == want
+        assert ray.get(replicas.stats.remote())["version"] == engine.version
 
 
 def test_the_weight_buffer_round_trips_every_dtype_bit_for_bit_and_a_tied_weight_once():

@@ -142,10 +142,18 @@ class ReplicaManager:
         return time.perf_counter() - t0
 
     async def broadcast_begin(self, version: int, layout, key, master: str, port: int, timeout_s: float) -> bool:
-        """Broadcast sync, first half: when ``key`` (the epochs the publisher built its group for) is
-        still the table's, start every replica's receive and hold the lock until ``broadcast_end``;
-        False (nothing started) when the table changed: the publisher rebuilds its group."""
+        """Broadcast sync, first half: replace replicas found dead; then, when ``key`` (the epochs the
+        publisher built its group for) is still the table's, start every replica's receive and hold the
+        lock until ``broadcast_end``; False (nothing started) when the table changed: the publisher
+        rebuilds its group."""
         await self._lock.acquire()
+        try:
+            alive = await asyncio.gather(*[h.info.remote() for h in self.handles], return_exceptions=True)
+            for slot in [s for s, a in enumerate(alive) if isinstance(a, BaseException) and _dead(a)]:
+                await self._replace(slot)         # died since the last sync: a gloo peer would hang till timeout
+        except BaseException:
+            self._lock.release()
+            raise
         if tuple(self.epochs) != tuple(key):
             self._lock.release()
             return False
