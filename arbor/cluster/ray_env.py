@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 MAX_TEMP_DIR_CHARS = 40     # + "/session_<date>_<time>_<us>_<pid>/sockets/plasma_store" stays < 108 bytes
+_links: list[Path] = []     # symlinks made by short_temp_dir, removed by stop
 
 
 def import_ray():
@@ -41,6 +42,7 @@ def short_temp_dir(folder: str | Path) -> str:
         link.unlink()
     if not link.is_symlink():
         link.symlink_to(folder, target_is_directory=True)
+    _links.append(link)
     return str(link)
 
 
@@ -64,7 +66,11 @@ def start(cluster, out: str | Path) -> bool:
 
 
 def stop(started: bool) -> None:
-    """Disconnect (and, for a local cluster, end it) when ``start`` returned True."""
+    """Disconnect (and, for a local cluster, end it) when ``start`` returned True; remove the symlinks."""
     if started:
         import ray
         ray.shutdown()
+    while _links:
+        link = _links.pop()
+        if link.is_symlink():
+            link.unlink()
