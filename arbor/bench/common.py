@@ -58,6 +58,16 @@ def print_table(title: str, header: list[str], rows: list[list]) -> str:
     return text
 
 
+def add_moe_shape_arguments(p) -> None:
+    """The Qwen3-MoE shape flags of the expert-parallel benches (defaults: experts dominate the weights)."""
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--moe-intermediate", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+
+
 def target(name: str, value: float, wanted: str, met: bool) -> dict:
     """One entry of a bench JSON's ``targets`` list: what its issue asked for, computed from the run."""
     return {"name": name, "value": value, "target": wanted, "met": bool(met)}

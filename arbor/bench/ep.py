@@ -29,7 +29,7 @@ import resource
 import sys
 import time
 
-from arbor.bench.common import median, print_table, write_result
+from arbor.bench.common import add_moe_shape_arguments, median, print_table, write_result
 from arbor.dist.launch import launch
 
 MIB = 1 << 20
@@ -223,12 +223,7 @@ def run(out_dir="bench_results", device="cpu", ranks=2, shape=None, batch=8, seq
 
 def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int, default=2, help="EP ranks (1 thread each) vs 1 rank with this many threads")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--moe-intermediate", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
+    add_moe_shape_arguments(p)
     p.add_argument("--batch", type=int, default=8, help="training sequences per step (all ranks together)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--prompts", type=int, default=16, help="decode prompts (all ranks together)")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from arbor.bench.common import median, print_table, write_result
+from arbor.bench.common import add_moe_shape_arguments, median, print_table, write_result
 from arbor.bench.ep import cpu_seconds, model_shape
 from arbor.plan import AnnealConfig, CostModel, Sample, kk_workload, routepack, token_balance
 from arbor.plan.routepack import place
@@ -315,12 +315,7 @@ def report(out_dir, shape, cost, planner, measured, config) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--moe-intermediate", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
+    add_moe_shape_arguments(p)
     p.add_argument("--windows", type=int, default=20, help="synthetic windows planned in (a)")
     p.add_argument("--samples", type=int, default=64, help="samples per planned window in (a)")
     p.add_argument("--recorded-windows", type=int, default=4, help="recorded-rollout windows planned in (a)")
