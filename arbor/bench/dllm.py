@@ -1,7 +1,7 @@
 """Block-diffusion decoding: accuracy vs tokens per forward, LLaDA2.1 editing and TAD (``arbor bench dllm``).
 
 Trains (or loads from ``cache_dir``) a tiny block-diffusion model on the built-in tasks, distils
-TAD-Quality and TAD-Speed students from it, then decodes each task's test problems with: LLaDA
+TAD-Quality and TAD-Speed students from it with ``distill_folder`` (``arbor dllm-distill``), then decodes each task's test problems with: LLaDA
 low-confidence remasking (fixed steps per block), Fast-dLLM threshold decoding, and LLaDA2.1 joint
 M2T+T2T decoding in Quality and Speed modes. Reports (decoder, threshold) → accuracy, TPF,
 wall-clock speed-up over one token per step; and AUP per model from a threshold sweep (Fast-dLLM
@@ -24,12 +24,12 @@ import torch
 from arbor.bench.common import print_table, print_targets, target, write_result
 from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed
 from arbor.engine.diffusion_metrics import aup, tpf
-from arbor.models import BlockDiffusionAttention, load_model, save_model
+from arbor.models import BlockDiffusionAttention, load_model
 from arbor.models.tokenizer import Tokenizer
 from arbor.train.diffusion import TASKS, DiffusionModelConfig, DiffusionTrainConfig, train_from_config
 from arbor.train.optim import OptimConfig
-from arbor.train.distill import (QUALITY_DELTA, SPEED_DELTA, TADConfig, cached_trajectories, distill,
-                                 teacher_trajectories)
+from arbor.train.distill import DistillRunConfig, TADConfig, distill_folder
+from arbor.train.run_log import LogConfig
 
 SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)
 DATA_VERSION = 4          # bump when a task generator changes, so cached models are retrained
@@ -113,8 +113,9 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
                   tad_lr: float = TAD_LR, tad_scope: str = "all", tasks=tuple(TASKS),
                   tad_visible_weight: float = 0.0, log=print):
     """→ ({task: {"base", "TAD-Quality", "TAD-Speed": model}}, tokenizer), trained once, then loaded from
-    cache_dir. One base model for all tasks; TAD students distilled on the trajectories of every task
-    (``tad_scope="all"``: the same students serve each task) or of that task alone (``"task"``)."""
+    cache_dir. One base model for all tasks; the TAD students come from ``distill_folder`` (what
+    ``arbor dllm-distill`` runs), distilled on the trajectories of every task (``tad_scope="all"``: the
+    same students serve each task) or of that task alone (``"task"``)."""
     cache = Path(cache_dir)
     base_dir = cache / f"v{DATA_VERSION}_base_b{block_size}_s{train_steps}"
     if not (base_dir / "config.json").exists():
@@ -126,23 +127,19 @@ def cached_models(cache_dir, train_steps: int, tad_steps: int, tad_per_task: int
     groups = {"all": list(TASKS)} if tad_scope == "all" else {t: [t] for t in tasks}
     out = {}
     for group, group_tasks in groups.items():
-        students, trajectories = {"base": base}, None
         tag = ("" if group == "all" else f"_{group}") + (f"_v{tad_visible_weight:g}" if tad_visible_weight else "")
-        for name, delta in (("TAD-Quality", QUALITY_DELTA), ("TAD-Speed", SPEED_DELTA)):
-            folder = base_dir.with_name(
-                f"{base_dir.name}_{name.lower()}{tag}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}_d{delta}")
-            if not (folder / "config.json").exists():
-                if trajectories is None:
-                    source = {"tasks": group_tasks, "per_task": tad_per_task}
-                    trajectories = cached_trajectories(base_dir / f"trajectories_{group}_p{tad_per_task}.pt", source,
-                                                       lambda: teacher_trajectories(base, tok, group_tasks, tad_per_task))
-                    log(f"TAD ({group}): {len(trajectories)} correct teacher trajectories")
-                student = load_model(base_dir, device=device)
-                tad = TADConfig(delta=delta, steps=tad_steps, log_every=250, visible_weight=tad_visible_weight,
-                                optim=OptimConfig(lr=tad_lr, warmup_steps=20))
-                distill(student, trajectories, tad, teacher=base, on_log=log, checkpoint_dir=folder / "checkpoint")
-                save_model(student, folder, tokenizer=tok)
-            students[name] = load_model(folder, device=device).eval()
+        run = DistillRunConfig(model=str(base_dir), mode="both", per_task=tad_per_task, tasks=group_tasks,
+                               device=device, out=str(base_dir.with_name(
+                                   f"{base_dir.name}_tad{tag}_p{tad_per_task}_t{tad_steps}_lr{tad_lr:g}")),
+                               tad=TADConfig(steps=tad_steps, log_every=250, visible_weight=tad_visible_weight,
+                                             optim=OptimConfig(lr=tad_lr, warmup_steps=20)),
+                               log=LogConfig(tensorboard=False, progress=False))
+        run.validate()
+        folders = {mode: Path(run.out) / mode for mode in ("quality", "speed")}
+        if not all((f / "config.json").exists() for f in folders.values()):
+            folders = distill_folder(run, on_log=log)
+        students = {"base": base, **{f"TAD-{mode.capitalize()}": load_model(f, device=device).eval()
+                                     for mode, f in folders.items()}}
         out.update({t: students for t in group_tasks})
     return out, tok
 
