@@ -1,11 +1,12 @@
 """Block-diffusion decoding: accuracy vs tokens per forward, LLaDA2.1 editing and TAD (``arbor bench dllm``).
 
 Trains (or loads from ``cache_dir``) a tiny block-diffusion model on the built-in tasks, distils
-TAD-Quality and TAD-Speed students from it with ``distill_folder`` (``arbor dllm-distill``), then decodes each task's test problems with: LLaDA
-low-confidence remasking (fixed steps per block), Fast-dLLM threshold decoding, and LLaDA2.1 joint
-M2T+T2T decoding in Quality and Speed modes. Reports (decoder, threshold) → accuracy, TPF,
-wall-clock speed-up over one token per step; and AUP per model from a threshold sweep (Fast-dLLM
-rule, τ from 1.0 down; y_max = best accuracy of the three models on the task). Targets: TPF(Speed) ≥
+TAD-Quality and TAD-Speed students from it with ``distill_folder`` (``arbor dllm-distill``), then
+decodes each task's test problems with: LLaDA low-confidence remasking (fixed steps per block),
+Fast-dLLM threshold decoding, and LLaDA2.1 joint M2T+T2T decoding in Quality and Speed modes.
+Reports (decoder, threshold) → accuracy, TPF, wall-clock speed-up over one token per step; and AUP
+per model from a threshold sweep (Fast-dLLM rule, τ from 1.0 down; y_max = best accuracy of the
+three models on the task). Targets: TPF(Speed) ≥
 2·TPF(Quality) with accuracy within 5 points; AUP(TAD-Speed) ≥ 1.5·AUP(base). Each target is printed
 beside the most any decoder or model could reach on the task (see ``evaluate`` and ``targets``),
 with the forwards per problem split into M2T and edit-only steps and the share of first-step
