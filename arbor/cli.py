@@ -187,7 +187,8 @@ def add_generate(sub) -> None:
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     d = p.add_argument_group("block diffusion (the default for block-diffusion checkpoints)")
     d.add_argument("--diffusion", action="store_true", help="decode with arbor.engine.diffusion")
-    d.add_argument("--mode", choices=["quality", "speed"], default="quality", help="LLaDA2.1 preset")
+    d.add_argument("--mode", choices=["quality", "speed", "threshold"], default="quality",
+                   help="LLaDA2.1 preset, or Fast-dLLM threshold decoding")
     d.add_argument("--method", choices=["editing", "threshold", "low_confidence"])
     d.add_argument("--threshold", type=float)
     d.add_argument("--editing-threshold", type=_threshold_or_none, default=_UNSET, help="a float, or 'none' (off)")
@@ -248,6 +249,8 @@ def add_serve(sub) -> None:
     p.add_argument("--max-body-mb", type=float, default=32, help="largest request body in MiB")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds requests may run on after SIGTERM/SIGINT before they are aborted")
+    p.add_argument("--mode", default="quality", choices=["quality", "speed", "threshold"],
+                   help="block-diffusion models: the decoding mode of requests that name none")
 
     def server_config(a):
         from arbor.engine.server_config import ServerConfig
@@ -255,7 +258,7 @@ def add_serve(sub) -> None:
         return ServerConfig(max_n=a.max_n, max_prompts=a.max_prompts, max_request_tokens=a.max_request_tokens,
                             max_body_bytes=int(a.max_body_mb * (1 << 20)), api_key=a.api_key or None,
                             enable_weight_updates=a.enable_weight_updates, weight_updates_root=root,
-                            shutdown_grace_s=a.shutdown_grace)
+                            shutdown_grace_s=a.shutdown_grace, diffusion_mode=a.mode)
 
     def run(a):
         from arbor.engine import EngineConfig
@@ -287,15 +290,14 @@ def add_serve(sub) -> None:
 
 
 def _run_diffusion_generate(a) -> None:
-    from arbor.engine.diffusion import generate_text, quality, speed
+    from arbor.engine.diffusion import generate_text, mode_config
     from arbor.models import load_model
     from arbor.models.tokenizer import Tokenizer
     knobs = {k: getattr(a, k) for k in ("method", "threshold", "max_post_steps", "block_size", "steps_per_block")
              if getattr(a, k) is not None}
     if a.editing_threshold is not _UNSET:
         knobs["editing_threshold"] = a.editing_threshold
-    preset = speed if a.mode == "speed" else quality
-    cfg = preset(gen_length=a.gen_length, use_cache=not a.no_cache, **{"block_size": None, **knobs})
+    cfg = mode_config(a.mode, gen_length=a.gen_length, use_cache=not a.no_cache, **knobs)
     cfg.record = a.show_steps
     model, tok = load_model(a.model, device=a.device).eval(), Tokenizer.load(a.model)
     for prompt, (text, r) in zip(a.prompts, generate_text(model, tok, a.prompts, cfg)):

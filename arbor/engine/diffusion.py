@@ -37,6 +37,7 @@ from arbor.engine.diffusion_cache import BlockCacheAttention, SeqKVCache
 from arbor.models.attention import BlockDiffusionAttention
 
 METHODS = ("editing", "threshold", "low_confidence")
+MODES = ("quality", "speed", "threshold")    # the named decoding modes (``mode_config``)
 
 
 @dataclass
@@ -72,6 +73,20 @@ def speed(**kw) -> DecodeConfig:
     """LLaDA2.1 Speed mode: τ = 0.5, edit whenever the prediction changes, 16 post steps, block 32."""
     return DecodeConfig(**{"method": "editing", "threshold": 0.5, "editing_threshold": 0.0,
                            "max_post_steps": 16, "block_size": 32, **kw})
+
+
+def mode_config(mode: str, **kw) -> DecodeConfig:
+    """A named mode at the model's own block size (``block_size=None`` unless given): ``quality`` and
+    ``speed`` are LLaDA2.1's presets, ``threshold`` is Fast-dLLM threshold decoding at τ = 0.7 with no
+    editing. What ``arbor generate --diffusion --mode``, ``arbor serve`` and EBPO rollouts decode with."""
+    kw = {"block_size": None, **kw}
+    if mode == "quality":
+        return quality(**kw)
+    if mode == "speed":
+        return speed(**kw)
+    if mode == "threshold":
+        return DecodeConfig(**{"method": "threshold", "threshold": 0.7, "editing_threshold": None, **kw})
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
 @dataclass
@@ -129,7 +144,11 @@ class DiffusionDecoder:
 
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]]) -> list[DecodeResult]:
+    def generate(self, prompts: list[list[int]], on_block=None) -> list[DecodeResult]:
+        """``on_block(i, tokens, done)`` (optional) runs each time prompt i's current block is
+        committed: ``tokens`` = its response so far (committed blocks, cut before the first stop
+        token; a prefix of every later call's), ``done`` = its decoding has ended. An exception it
+        raises ends the whole decode."""
         dev = self.model.device
         seqs = []
         for p in prompts:
@@ -137,14 +156,21 @@ class DiffusionDecoder:
                 raise ValueError("every prompt needs at least one token")
             ids = torch.tensor(list(p) + [self.mask_id] * self.cfg.gen_length, dtype=torch.long, device=dev)
             seqs.append(_Seq(ids, len(p), len(p) // self.block_size))
-        while active := [s for s in seqs if not s.done]:
-            conf, pred = self._forward(active)
-            for s, c, x in zip(active, conf, pred):
+        while active := [i for i, s in enumerate(seqs) if not s.done]:
+            conf, pred = self._forward([seqs[i] for i in active])
+            for i, c, x in zip(active, conf, pred):
+                s, block = seqs[i], seqs[i].block
                 s.forwards += 1
                 self._step(s, c, x)
                 if self.cfg.record:
                     s.trajectory.append(s.ids[s.prompt_len:].clone())
+                if on_block is not None and s.block != block:
+                    on_block(i, self._committed(s), s.done)
         return [self._result(s) for s in seqs]
+
+    def _committed(self, s: _Seq) -> list[int]:
+        tokens = s.ids[s.prompt_len:s.block * self.block_size].tolist()
+        return tokens[:next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))]
 
     def _bounds(self, s: _Seq) -> tuple[int, int]:
         start = s.block * self.block_size

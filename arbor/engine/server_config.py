@@ -17,7 +17,9 @@ class ServerConfig:
     a body of at most ``max_body_bytes``. ``api_key``: every route needs ``Authorization: Bearer
     KEY`` (None: open). ``/update_weights`` is refused unless ``enable_weight_updates``, and then
     reads only paths inside ``weight_updates_root`` (symbolic links resolved). On SIGTERM/SIGINT
-    new requests get 503, running ones are aborted after ``shutdown_grace_s`` seconds."""
+    new requests get 503, running ones are aborted after ``shutdown_grace_s`` seconds.
+    A block-diffusion model decodes in ``diffusion_mode`` unless a request names its ``mode``, and
+    holds at most ``max_queued_requests`` requests waiting or decoding (more get 429)."""
     max_n: int = 16
     max_prompts: int = 64
     max_request_tokens: int = 65536
@@ -26,9 +28,14 @@ class ServerConfig:
     enable_weight_updates: bool = False
     weight_updates_root: str | None = None
     shutdown_grace_s: float = 5.0
+    diffusion_mode: str = "quality"
+    max_queued_requests: int = 64
 
     def __post_init__(self):
-        for name in ("max_n", "max_prompts", "max_request_tokens", "max_body_bytes"):
+        from arbor.engine.diffusion import MODES
+        if self.diffusion_mode not in MODES:
+            raise ValueError(f"server diffusion_mode must be one of {MODES}, got {self.diffusion_mode!r}")
+        for name in ("max_n", "max_prompts", "max_request_tokens", "max_body_bytes", "max_queued_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"server {name} must be a positive integer, got {value!r}")

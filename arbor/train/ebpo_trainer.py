@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from arbor.dist import DistContext
-from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed
+from arbor.engine.diffusion import DecodeConfig, diffusion_generate, mode_config
 from arbor.train.advantages import group_advantages
 from arbor.train.ebpo import draw_noise, ebpo_loss, unit_logprobs
 from arbor.train.loop import load_state, save_state, settings_of
@@ -37,12 +37,8 @@ STATS = ("clip_low", "clip_high", "dual_clip_frac", "approx_kl")
 
 
 def decode_config(mode: str, gen_length: int, **kw) -> DecodeConfig:
-    """The named decoding mode at the model's own block size (``block_size=None``)."""
-    if mode == "quality":
-        return quality(block_size=None, gen_length=gen_length, **kw)
-    if mode == "speed":
-        return speed(block_size=None, gen_length=gen_length, **kw)
-    return DecodeConfig(method="threshold", threshold=0.7, editing_threshold=None, gen_length=gen_length, **kw)
+    """The named decoding mode at the model's own block size (``arbor.engine.diffusion.mode_config``)."""
+    return mode_config(mode, gen_length=gen_length, **kw)
 
 
 class EBPOTrainer:
