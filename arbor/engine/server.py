@@ -59,15 +59,15 @@ def _param(e: ValueError) -> str | None:
     return "stop_token_ids" if "stop_token_ids" in text else "stop" if text.startswith("stop") else "prompt"
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
-    cfg = config or ServerConfig()
+def base_app(model_name: str, card: dict, cfg: ServerConfig) -> tuple[FastAPI, object]:
+    """What every Arbor server shares (the autoregressive one here, the block-diffusion one in
+    ``diffusion_server``): the API-key check, the OpenAI error body for ``RequestError``, ``/health``,
+    ``/v1/models`` and ``/v1/models/{id}`` (``card``) → (app, ``read_body``: the request's JSON body,
+    503 while draining, 400 for another model's name)."""
     app = FastAPI(title="Arbor", default_response_class=JSONOut)
     app.state.draining = False
     if cfg.api_key:
         app.add_middleware(BearerAuth, api_key=cfg.api_key)
-    tok = engine.tokenizer
-    engine.max_prompt_chars         # measured now (a pass over the vocabulary), not inside a request
-    card = {"id": model_name, "object": "model", "owned_by": "arbor", "max_model_len": engine.engine.max_model_len}
 
     @app.exception_handler(RequestError)
     async def request_error(_, e: RequestError):
@@ -96,6 +96,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
             raise RequestError(f"the model '{model_id}' does not exist; this server serves '{model_name}'",
                                "model", "model_not_found", 404)
         return card
+
+    return app, read_body
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    cfg = config or ServerConfig()
+    tok = engine.tokenizer
+    engine.max_prompt_chars         # measured now (a pass over the vocabulary), not inside a request
+    card = {"id": model_name, "object": "model", "owned_by": "arbor", "max_model_len": engine.engine.max_model_len}
+    app, read_body = base_app(model_name, card, cfg)
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
@@ -234,10 +244,15 @@ def _line(obj: dict) -> str:
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None, model_name: str | None = None,
           server_config: ServerConfig | None = None) -> None:
-    """Serve ``model_dir`` until SIGTERM / SIGINT (see ``arbor.engine.shutdown``)."""
+    """Serve ``model_dir`` until SIGTERM / SIGINT (see ``arbor.engine.shutdown``); a block-diffusion
+    model is served by ``diffusion_server`` (its diffusion decoder), any other by the engine."""
     from arbor.engine.shutdown import run_server
     from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
+    from arbor.models import ModelConfig
     server_config = server_config or ServerConfig()
+    if ModelConfig.from_file(model_dir).is_block_diffusion:
+        from arbor.engine.diffusion_server import serve_diffusion
+        return serve_diffusion(model_dir, host, port, config, model_name, server_config)
     engine = ThreadedAsyncLLMEngine(model_dir, config)
     app = build_app(engine, model_name or Path(model_dir).name, server_config)
     run_server(app, engine, host, port, server_config.shutdown_grace_s)
