@@ -240,7 +240,7 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
         choices = []
         for i in range(count):
             tokens, finish = final[i]
-            c = Completion(rid, i, ids[i // n], tokens, [], finish, text_of(tokens))
+            c = Completion(rid, i, ids[i // n], tokens, logprobs=[], finish_reason=finish, text=text_of(tokens))
             choices.append(oai.choice(c, i, chat, tok, False))
             usage["completion_tokens"] += len(tokens)
         return oai.response(rid, model_name, chat, choices, {**usage, "total_tokens": sum(usage.values())})
