@@ -161,6 +161,22 @@ def test_queue_is_bounded_and_a_client_that_leaves_frees_its_slot(server):
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) <= 4
 
 
+def test_a_client_timeout_frees_the_slot_and_an_abort_ends_streams(server):
+    client, model, tok, worker = server
+    long = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "mode": "quality"}
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json=long, timeout=0.5)
+    wait_until(lambda: worker.num_requests() == 0, timeout=30)
+    with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        worker.abort_all()                      # what shutdown does once its grace period is over
+        events = sse_events("\n".join([first, *lines]))
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+    wait_until(lambda: worker.num_requests() == 0, timeout=30)
+
+
 def test_arbor_serve_serves_a_block_diffusion_folder(folder):
     port = free_port()
     cmd = [sys.executable, "-m", "arbor.cli", "serve", str(folder), "--port", str(port), "--served-model-name", "tiny",

@@ -95,7 +95,8 @@ class DiffusionWorker:
             finish = None if not done else "stop" if len(tokens) < cfg.gen_length else "length"
             job.loop.call_soon_threadsafe(job.events.put_nowait, (i, tokens, finish))
 
-        job.future = self._thread.submit(lambda: DiffusionDecoder(self.model, cfg, stop_ids).generate(prompts, on_block))
+        decoder = DiffusionDecoder(self.model, cfg, stop_ids)
+        job.future = self._thread.submit(lambda: decoder.generate(prompts, on_block))
         self.jobs.add(job)
         job.future.add_done_callback(lambda _: job.loop.call_soon_threadsafe(self._finished, job))
         return job
@@ -183,8 +184,8 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
         for i, p in enumerate(prompts):
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             if isinstance(p, str) and tok is None:
-                raise RequestError(where + "a text prompt needs a tokenizer; this model folder has none (send token ids)",
-                                   what)
+                raise RequestError(f"{where}a text prompt needs a tokenizer; this model folder has none (send token "
+                                   "ids)", what)
             try:
                 out.append(check_prompt(tok.encode(p) if isinstance(p, str) else list(p), gen_length, mc, context))
             except ValueError as e:
