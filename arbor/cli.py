@@ -233,7 +233,10 @@ def add_serve(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--policy", default="mixed", choices=["mixed", "prefill-first"])
+    p.add_argument("--policy", default="mixed", choices=["mixed", "prefill-first", "pd-multiplex", "pd-global-enqueue"],
+                   help="scheduling policy (arbor.engine.scheduler); pd-*: prefill/decode multiplexing")
+    p.add_argument("--pd-segment-layers", type=int, default=1,
+                   help="pd-multiplex: layers per prefill segment (a decode step may run at each boundary)")
     p.add_argument("--served-model-name", help="default: the folder name")
     p.add_argument("--ranks", type=int, default=1,
                    help="serve from N local ranks (data-parallel attention; experts split when MoE)")
@@ -280,7 +283,7 @@ def add_serve(sub) -> None:
         if a.ranks > 1 and world != a.ranks:
             raise ValueError(f"--ranks {a.ranks} but this process is one of WORLD_SIZE={world} ranks")
         cfg = EngineConfig(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                           max_num_seqs=a.max_num_seqs, policy=a.policy)
+                           max_num_seqs=a.max_num_seqs, policy=a.policy, pd_segment_layers=a.pd_segment_layers)
         if world > 1:                                              # a rank (arbor launch, torchrun, --ranks)
             from arbor.engine.rank_front import serve_ranks
             return serve_ranks(a.model, a.host, a.port, cfg, a.served_model_name, server_config(a))

@@ -128,14 +128,14 @@ def case_turnstile(rounds: str = "20"):
     for r in range(int(rounds)):
         prompts = sequences(1000 * r + ctx.rank, rng.randint(1, 3), 3, 24)
         with ep_phase(model, "prefill"):
-            for layers_done, hidden in model.forward_segments(*packed(prompts), layers_per_segment=1):
-                if hidden is None:
+            for layers_done, out in model.forward_segments(*packed(prompts), layers_per_segment=1):
+                if out is None:
                     if rng.random() < 0.6:  # a decode step becomes ready on this rank
                         requests.append(sequences(5000 * r + 7 * layers_done + ctx.rank, rng.randint(1, 2), 2, 9))
                     threading.Event().wait(rng.random() * 0.01)   # skew the ranks
                     turnstile.boundary(bool(requests))
                 else:
-                    done.append(("prefill", prompts, hidden))
+                    done.append(("prefill", prompts, out.hidden))
     stop.set()
     decode_ready.set()
     d.join()
@@ -149,6 +149,35 @@ def case_turnstile(rounds: str = "20"):
           f"tokens equal {tokens_equal}", flush=True)
     if worst > 1e-5 or not tokens_equal:
         fail("outputs differ from the one-process model", 1)
+
+
+def case_engine(*policies):
+    """The distributed EP engine under each P/D policy (private groups, in-order queue, turnstile),
+    requests arriving at different steps on each rank, random skew: greedy tokens equal the
+    one-process engine's."""
+    from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+    ctx, model, ref = setup(phase_groups=True, queue=True)
+    prompts = sequences(30 + ctx.rank, 5 + ctx.rank, 3, 70)
+    params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    for policy in policies:
+        rng = random.Random(ctx.rank)
+        cfg = dict(num_blocks=64, policy=policy, max_num_batched_tokens=48)
+        engine = LLMEngine(model, EngineConfig(**cfg), ctx=ctx)
+        arrivals = sorted(rng.randint(0, 12) for _ in prompts)
+        ids, step = [], 0
+        while ctx.flags_max(float(engine.has_unfinished() or len(ids) < len(prompts)))[0]:
+            while len(ids) < len(prompts) and arrivals[len(ids)] <= step:
+                ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
+            threading.Event().wait(rng.random() * 0.005)     # skew the ranks
+            engine.step()
+            step += 1
+        got = [engine.pop_finished(r)[0].token_ids for r in ids]
+        want = [c.token_ids for c in LLMEngine(ref, EngineConfig(**cfg)).generate(prompts, params)]
+        turnstile = engine.multiplexer.turnstile
+        print(f"{policy}: {len(prompts)} requests in {step} steps, {turnstile.boundaries} boundaries, "
+              f"{turnstile.decode_steps} decode steps at boundaries, equal {got == want}", flush=True)
+        if got != want:
+            fail(f"{policy}: distributed engine {got} != one-process engine {want}", 1)
 
 
 if __name__ == "__main__":

@@ -97,20 +97,20 @@ def test_pause_holds_requests_until_resume():
 def test_a_failing_step_fails_the_streams_and_the_engine_recovers():
     model = tiny()
     engine = AsyncLLMEngine(model, EngineConfig())
-    real = engine.engine.runner.run
+    real = engine.engine.runner.run_segments
 
     def broken(*a, **k):
         raise RuntimeError("boom")
 
     async def main():
-        engine.engine.runner.run = broken
+        engine.engine.runner.run_segments = broken
         try:
             await engine.generate_all([1, 2], SamplingParams(max_tokens=3))
         except RuntimeError as e:
             assert "boom" in str(e)
         else:
             raise AssertionError("the stream should fail")
-        engine.engine.runner.run = real
+        engine.engine.runner.run_segments = real
         return await engine.generate_all([1, 2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 
     assert len(asyncio.run(main())[0].token_ids) == 3

@@ -41,6 +41,8 @@ CONFIGS = {
     "chunked": dict(max_num_batched_tokens=7),
     "prefill-first-chunked": dict(policy="prefill-first", max_num_batched_tokens=9),
     "preemption": dict(num_blocks=9, block_size=8),
+    "pd-multiplex-chunked-preemption": dict(policy="pd-multiplex", max_num_batched_tokens=9, num_blocks=9, block_size=8),
+    "pd-global-enqueue-preemption": dict(policy="pd-global-enqueue", num_blocks=9, block_size=8),
 }
 
 

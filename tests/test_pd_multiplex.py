@@ -33,3 +33,10 @@ def test_the_turnstile_orders_p_and_d_over_20_skewed_rounds():
     result, text = run("turnstile", "20")
     assert result.returncode == 0, text
     assert text.count("tokens equal True") == 2 and "20 boundaries" in text
+
+
+def test_the_distributed_engine_under_pd_policies_equals_one_process():
+    result, text = run("engine", "pd-multiplex", "pd-global-enqueue")
+    assert result.returncode == 0, text
+    assert text.count("equal True") == 4, text
+    assert "pd-global-enqueue" in text and " 0 boundaries" in text    # no boundaries in the coarse baseline

@@ -71,6 +71,7 @@ def test_serve_over_two_ranks_matches_one_engine_and_shuts_down(moe_folder, one_
     port = free_port()
     log = open(moe_folder.parent / "server.log", "w+")
     cmd = [sys.executable, "-m", "arbor.cli", "serve", str(moe_folder), "--ranks", "2", "--port", str(port), *LIMITS,
+           "--policy", "pd-multiplex",        # several tokens per step reach the front in one round
            "--enable-weight-updates"]         # so that the update reaches the refusal of --ranks
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     kids = []

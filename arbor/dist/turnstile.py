@@ -12,23 +12,27 @@ after the last collective of that range). At every boundary every rank calls ``b
 So every rank issues its conflicting P and D collectives in one global order, and phase-private
 groups through an in-order device queue can no longer deadlock, however skewed the ranks are.
 ``run_decode`` is this rank's decode step (it must issue the decode collectives even with nothing
-to decode).
+to decode). Without a rank context (one process) the agreement is this rank's own flag.
 """
 
 from __future__ import annotations
 
 
 class Turnstile:
-    def __init__(self, ctx, run_decode):
+    def __init__(self, ctx, run_decode=None):
         self.ctx, self.run_decode = ctx, run_decode
         self.boundaries = self.decode_steps = 0
 
-    def boundary(self, decode_pending: bool) -> bool:
-        """One boundary (steps 1–4); → whether a decode step ran."""
+    def boundary(self, decode_pending: bool, run_decode=None) -> bool:
+        """One boundary (steps 1–4), ``run_decode`` standing in for the one given at construction;
+        → whether a decode step ran."""
         self.boundaries += 1
-        pending = bool(self.ctx.flags_max(float(decode_pending), name="turnstile: decode pending?")[0])
+        pending = decode_pending
+        if self.ctx is not None:
+            pending = bool(self.ctx.flags_max(float(decode_pending), name="turnstile: decode pending?")[0])
         if pending:
-            self.run_decode()
+            (run_decode or self.run_decode)()
             self.decode_steps += 1
-            self.ctx.barrier("turnstile: decode issued")
+            if self.ctx is not None:
+                self.ctx.barrier("turnstile: decode issued")
         return pending

@@ -21,7 +21,10 @@ class EngineConfig:
     and log-probs (to simulate an
     engine whose numerics differ from the trainer's). ``state_snapshots``: recurrent-state snapshots
     kept at block boundaries so that prefix caching also serves models with linear-attention layers
-    (each holds every linear layer's state; 0 turns prefix caching off for such models)."""
+    (each holds every linear layer's state; 0 turns prefix caching off for such models).
+    ``policy``: ``mixed`` | ``prefill-first`` | ``pd-multiplex`` | ``pd-global-enqueue`` (``scheduler``);
+    ``pd_segment_layers``: layers per prefill segment under ``pd-multiplex`` — a decode step may run
+    at every segment boundary (a segment's tokens: the prefill epoch, ≤ ``max_num_batched_tokens``)."""
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -30,6 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     policy: str = "mixed"
+    pd_segment_layers: int = 1
     enable_prefix_caching: bool = True
     state_snapshots: int = 64
     dtype: str = "float32"
@@ -64,7 +68,8 @@ class EngineConfig:
     def validate(self) -> None:
         """ValueError naming the first knob that no engine can run with (a count ≤ 0 would leave the
         scheduler with nothing it may schedule: a busy loop that never finishes a request)."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes",
+                     "pd_segment_layers"):
             _positive_int(name, getattr(self, name))
         if self.num_blocks is not None:
             _positive_int("num_blocks", self.num_blocks)

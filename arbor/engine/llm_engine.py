@@ -28,6 +28,7 @@ from arbor.engine.config import EngineConfig
 from arbor.engine.cpu_linear import pack_linears, repack
 from arbor.engine.model_runner import ModelRunner
 from arbor.engine.paged_attention import KVCache
+from arbor.engine.pd_multiplex import Multiplexer
 from arbor.engine.sampler import Sampler
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.scheduler import Scheduler
@@ -115,6 +116,9 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = count()
         self.num_steps = 0
+        self.decode_stall_s = 0.0       # Σ over decode tokens: forward start − previous token's time
+        self.timeline: list | None = None
+        self.multiplexer = Multiplexer(self) if hasattr(self.scheduler.policy, "schedule_pd") else None
 
     # ---- requests -----------------------------------------------------------------------
     @functools.cached_property
@@ -200,14 +204,32 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One forward; → the sequences that got a token this step (finished ones included)."""
+        """One forward (P/D policies: one prefill epoch with its decode steps, ``pd_multiplex``);
+        → the sequences that got a token this step (finished ones included)."""
+        if self.multiplexer is not None:
+            return self.multiplexer.step()
         batch = self.scheduler.schedule()
         if not batch:
             if self.lockstep:
                 self.idle_step()
             return []
+        return self.run_batch(batch)
+
+    def run_batch(self, batch, layers_per_segment: int | None = None, at_boundary=None,
+                  phase: str = "step") -> list[Sequence]:
+        """Forward ``batch`` (cut every ``layers_per_segment`` layers, ``at_boundary()`` between
+        segments), commit its KV, sample, append, check stops; → the sequences that sampled."""
         routing = any(s.params.return_routed_experts for s, _ in batch)
-        batch, sampled, logits, routed, offsets = self.runner.run(batch, routing)
+        t0 = time.perf_counter()
+        for seq, n in batch:
+            if n == 1 and seq.last_token_time is not None and seq.num_pending_tokens == 1:
+                self.decode_stall_s += t0 - seq.last_token_time
+        for _, result in self.runner.run_segments(batch, layers_per_segment, routing):
+            self.record(phase, t0, batch)
+            if result is None:
+                at_boundary()
+                t0 = time.perf_counter()
+        batch, sampled, logits, routed, offsets = result
         if routed is not None:
             for (seq, n), off in zip(batch, offsets):
                 if seq.params.return_routed_experts:
@@ -216,8 +238,8 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
         self.runner.save_states([seq for seq, _ in batch])
+        self.num_steps += 1
         if not sampled:
-            self.num_steps += 1
             return []
         tokens, logprobs, tops = self.sampler(logits, sampled)
         for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops):
@@ -226,15 +248,22 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(seq, reason)
                 seq.finish_time = time.perf_counter()
-        self.num_steps += 1
         return sampled
 
+    def record(self, phase: str, t0: float, batch) -> None:
+        """Append (phase, start, end, tokens) to ``timeline`` when one is kept (set it to a list)."""
+        if self.timeline is not None:
+            self.timeline.append((phase, t0, time.perf_counter(), sum(n for _, n in batch)))
+
     @torch.inference_mode()
-    def idle_step(self) -> None:
-        """Join the other ranks' expert exchanges of one forward with no tokens of this rank's own."""
+    def idle_step(self) -> list:
+        """Join the other ranks' expert exchanges of one step with no tokens of this rank's own."""
+        if self.multiplexer is not None:
+            return self.multiplexer.step(admit=False)
         from arbor.models.expert_parallel import idle_forward
         idle_forward(self.model)
         self.num_steps += 1
+        return []
 
     def any_rank_unfinished(self) -> bool:
         """``has_unfinished`` of any rank (one collective under lockstep; this rank's alone otherwise)."""

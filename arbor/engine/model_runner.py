@@ -33,10 +33,20 @@ class ModelRunner:
         self.logit_noise, self.noise_dist, self.noise_frac = logit_noise, noise_dist, noise_frac
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
 
-    @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], return_routing: bool = False):
-        """→ (seqs that sample, logits [B, V] float32, routing [num_moe_layers, T, k] or None,
-        token offset of each scheduled sequence in the packed batch)."""
+        """→ (batch in token order, seqs that sample, logits [B, V] float32, routing [num_moe_layers, T, k]
+        or None, token offset of each scheduled sequence in the packed batch)."""
+        for _, result in self.run_segments(batch, None, return_routing):
+            pass
+        return result
+
+    @torch.inference_mode()
+    def run_segments(self, batch: list[tuple[Sequence, int]], layers_per_segment: int | None = None,
+                     return_routing: bool = False):
+        """``run`` cut at ``CausalLM.forward_segments``' boundaries (None: one segment): a generator
+        that yields ``(layers done, None)`` at every boundary and ``(num_layers, run's result)`` last.
+        Between two segments the caller may run other batches over other sequences (P/D multiplexing):
+        this batch's KV slots and state slots are its own."""
         batch = sorted(batch, key=lambda item: (item[1] != 1, -item[0].num_computed_tokens if item[1] == 1 else 0))
         seqs = [s for s, _ in batch]
         lengths = [n for _, n in batch]
@@ -61,8 +71,11 @@ class ModelRunner:
                         self.states.restore_snapshot(s.state_slot, key)
             slots = torch.tensor([s.state_slot for s in seqs], device=dev)
             states = self.states.gather(slots, len(self.model.model.layers))
-        out = self.model(torch.tensor(ids, device=dev), attn, positions=torch.tensor(positions, device=dev),
-                         states=states, return_routing=return_routing)
+        for done, out in self.model.forward_segments(
+                torch.tensor(ids, device=dev), attn, layers_per_segment or len(self.model.model.layers),
+                positions=torch.tensor(positions, device=dev), states=states, return_routing=return_routing):
+            if out is None:
+                yield done, None
         if self.states:
             self.states.scatter(slots, out.states)
         ends = attn.cu_seqlens[1:].tolist()
@@ -72,7 +85,7 @@ class ModelRunner:
         if self.logit_noise:
             logits = logits + self._noise(logits.shape, dev)
         offsets = [e - n for e, n in zip(ends, lengths)]
-        return batch, [seqs[i] for i in sample], logits, out.routed_experts, offsets
+        yield done, (batch, [seqs[i] for i in sample], logits, out.routed_experts, offsets)
 
     def _noise(self, shape, dev) -> torch.Tensor:
         """σ · (N(0, 1) or standard Cauchy) per logit, on a ``noise_frac`` fraction of the rows."""

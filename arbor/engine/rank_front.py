@@ -75,9 +75,11 @@ def run_round(engine, ctx, msg: Control) -> list | None:
             updates.append((seq.request_id, seq.index, None, None, None, final))
             if all(s.is_finished for s in engine.requests.get(seq.request_id, ())):
                 engine.requests.pop(seq.request_id, None)
-        else:
-            top = seq.top_logprobs[-1] if seq.top_logprobs is not None else None
-            updates.append((seq.request_id, seq.index, seq.token_ids[-1], seq.logprobs[-1], top, None))
+        else:   # the tokens since the last round: a P/D policy can give a sequence several per step
+            new = slice(seq.num_reported, seq.num_output_tokens)
+            seq.num_reported = seq.num_output_tokens
+            tops = seq.top_logprobs[new] if seq.top_logprobs is not None else None
+            updates.append((seq.request_id, seq.index, seq.output_ids[new], seq.logprobs[new], tops, None))
     return ctx.all_gather_object(updates, name="serve updates")
 
 
@@ -189,7 +191,7 @@ class RankFront:
         """One round with a step on every rank → a snapshot per sequence that got a token."""
         out = []
         for updates in self._round(step=True):
-            for rid, index, token, logprob, top, final in updates:
+            for rid, index, tokens, logprobs, new_tops, final in updates:
                 req = self._inflight.get(rid)
                 if req is None:                 # aborted since
                     continue
@@ -201,11 +203,11 @@ class RankFront:
                         del self._inflight[rid]
                     out.append(_Snapshot(final))
                     continue
-                ids, lps, tops = req.samples.setdefault(index, ([], [], None if top is None else []))
-                ids.append(token)
-                lps.append(logprob)
+                ids, lps, tops = req.samples.setdefault(index, ([], [], None if new_tops is None else []))
+                ids += tokens
+                lps += logprobs
                 if tops is not None:
-                    tops.append(top)
+                    tops += new_tops
                 out.append(_Snapshot(Completion(rid, index, req.prompt, list(ids), list(lps),
                                                 top_logprobs=None if tops is None else list(tops))))
         return out

@@ -14,7 +14,9 @@ Policies (``SchedulerPolicy.schedule(scheduler) -> list[(seq, num_tokens)]``):
 - ``prefill-first``: a step is all-prefill (running chunks, then admissions) when any prefill
   work fits; otherwise all-decode.
 - ``mixed``: decodes first, then prefill chunks and admissions fill the rest of the budget, one forward.
-Later policies (P/D multiplexing, SLO-aware admission) implement the same method.
+- ``pd-multiplex`` / ``pd-global-enqueue``: the same plan as ``mixed`` (decodes first, prefill gets
+  the leftover budget) run as two forwards, the prefill one cut into segments with decode steps at
+  the boundaries — fine boundaries or none (``arbor.engine.pd_multiplex``).
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class Scheduler:
         return self.policy.schedule(self)
 
     # ---- building blocks for policies ---------------------------------------------------
-    def schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
-        """Add one token for each running decode (oldest first), preempting when blocks run out."""
+    def schedule_decodes(self, batch: ScheduledBatch, budget: int, exclude=(), preempt: bool = True) -> int:
+        """Add one token for each running decode (oldest first), preempting when blocks run out.
+        ``exclude``: sequences not to schedule (a prefill in flight); ``preempt=False``: a decode
+        that needs a block when none is free waits instead (nothing in flight loses its blocks)."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending_tokens != 1:
+            if seq.num_pending_tokens != 1 or seq in exclude or (not preempt and not self.bm.can_append(seq)):
                 i += 1
                 continue
             while not self.bm.can_append(seq):
@@ -148,4 +152,28 @@ class Mixed:
         return batch
 
 
-POLICIES = {"prefill-first": PrefillFirst, "mixed": Mixed}
+class PDMultiplex:
+    """Decode batch first (with preemption), prefill epoch in the leftover budget; the engine runs
+    them as separate forwards (``arbor.engine.pd_multiplex``), prefill cut every
+    ``EngineConfig.pd_segment_layers`` layers."""
+    whole_epoch = False
+
+    def schedule_pd(self, s: Scheduler) -> tuple[ScheduledBatch, ScheduledBatch]:
+        decodes: ScheduledBatch = []
+        budget = s.schedule_decodes(decodes, s.budget)
+        prefill: ScheduledBatch = []
+        s.schedule_prefills(prefill, budget)
+        return decodes, prefill
+
+    def schedule(self, s: Scheduler) -> ScheduledBatch:
+        decodes, prefill = self.schedule_pd(s)
+        return decodes + prefill
+
+
+class PDGlobalEnqueue(PDMultiplex):
+    """``pd-multiplex`` without boundaries: the whole prefill epoch is one segment (the coarse baseline)."""
+    whole_epoch = True
+
+
+POLICIES = {"prefill-first": PrefillFirst, "mixed": Mixed, "pd-multiplex": PDMultiplex,
+            "pd-global-enqueue": PDGlobalEnqueue}

@@ -72,7 +72,8 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         self.arrival = time.perf_counter()
-        self.first_token_time = self.finish_time = None
+        self.first_token_time = self.finish_time = self.last_token_time = None
+        self.num_reported = 0       # output tokens a front end has passed on (``rank_front``)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -99,8 +100,9 @@ class Sequence:
         self.logprobs.append(logprob)
         if self.top_logprobs is not None:
             self.top_logprobs.append(top)
+        self.last_token_time = time.perf_counter()
         if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = self.last_token_time
 
     def record_routing(self, start: int, ids: torch.Tensor) -> None:
         """ids [num_moe_layers, n, k]: routing of the tokens at positions start..start+n−1."""

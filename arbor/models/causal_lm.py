@@ -114,8 +114,21 @@ class CausalLM(nn.Module):
                 return_routing=False, return_router_probs=False) -> ModelOutput:
         """input_ids [T]; positions [T] (default: ``attn.positions()``); states: per-layer
         LinearState (None = start of sequence); routed_experts [num_moe_layers, T, k] to replay."""
+        for _, out in self.forward_segments(input_ids, attn, len(self.model.layers), positions, states,
+                                            routed_experts, return_routing, return_router_probs):
+            pass
+        return out
+
+    def forward_segments(self, input_ids, attn, layers_per_segment: int, positions=None, states=None,
+                         routed_experts=None, return_routing=False, return_router_probs=False):
+        """``forward`` cut into segments of ``layers_per_segment`` layers — communication-safe boundaries
+        for P/D multiplexing (a segment's MoE exchanges are all issued when it returns). A generator:
+        each ``next()`` runs one segment and yields ``(layers done, None)``; the last yields
+        ``(num_layers, ModelOutput)``, exactly what ``forward`` returns."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be packed 1-D [T], got shape {tuple(input_ids.shape)}")
+        if not isinstance(layers_per_segment, int) or layers_per_segment < 1:
+            raise ValueError(f"layers_per_segment must be an integer ≥ 1, got {layers_per_segment!r}")
         if positions is None:
             positions = attn.positions()
         x = self.model.embed_tokens(input_ids)
@@ -134,32 +147,14 @@ class CausalLM(nn.Module):
                 routed.append(ids)
                 probs.append(p)
                 m += 1
+            if (i + 1) % layers_per_segment == 0 and i + 1 < len(layers):
+                yield i + 1, None
         has_linear = any(layer.is_linear for layer in layers)
-        return ModelOutput(
+        yield len(layers), ModelOutput(
             hidden=self.model.norm(x),
             states=new_states if has_linear else None,
             routed_experts=torch.stack(routed) if ((return_routing or return_router_probs) and routed) else None,
             router_probs=torch.stack(probs) if (return_router_probs and probs) else None)
-
-    def forward_segments(self, input_ids, attn, layers_per_segment: int, positions=None):
-        """The forward cut into segments of ``layers_per_segment`` layers — communication-safe boundaries
-        for P/D multiplexing (a segment's MoE exchanges are all issued when it returns). A generator:
-        each ``next()`` runs one segment and yields ``(layers done, None)``; the last yields
-        ``(num_layers, hidden)`` with the final norm applied — what ``forward(...).hidden`` returns.
-        Softmax-attention models (dense or MoE) without routing replay or recurrent states."""
-        if any(layer.is_linear for layer in self.model.layers):
-            raise ValueError("forward_segments serves softmax-attention models; linear-attention states are not carried")
-        if layers_per_segment < 1:
-            raise ValueError(f"layers_per_segment must be ≥ 1, got {layers_per_segment}")
-        positions = attn.positions() if positions is None else positions
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        n = len(self.model.layers)
-        for start in range(0, n, layers_per_segment):
-            for layer in self.model.layers[start:start + layers_per_segment]:
-                x = layer(x, cos, sin, attn)[0]
-            end = min(n, start + layers_per_segment)
-            yield (end, self.model.norm(x)) if end == n else (end, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

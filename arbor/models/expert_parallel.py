@@ -184,14 +184,25 @@ def idle_forward(model) -> torch.Tensor | None:
     or None for a model without EP."""
     if getattr(model, "ep_state", None) is None:
         return None
+    return list(idle_segments(model, len(model.model.layers)))[-1][1].sum()
+
+
+def idle_segments(model, layers_per_segment: int):
+    """``idle_forward`` cut at ``CausalLM.forward_segments``' boundaries: yields ``(layers done, None)``
+    after every segment but the last, whose MoE exchanges are then all issued, and finally
+    ``(num_layers, zero rows)``. Nothing to exchange (no EP): the same boundaries, no collectives."""
     D = model.config.hidden_size
-    grad = torch.is_grad_enabled()
-    x = torch.zeros(0, D, device=model.device, dtype=model.dtype, requires_grad=grad)
-    for moe in moe_modules(model):
-        k = moe.top_k
-        ids = torch.zeros(0, k, dtype=torch.long, device=model.device)
-        x = x + moe.dispatch(x, ids, x.new_zeros(0, k), moe.experts)
-    return x.sum()
+    x = torch.zeros(0, D, device=model.device, dtype=model.dtype, requires_grad=torch.is_grad_enabled())
+    ep = getattr(model, "ep_state", None) is not None
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if ep and layer.is_moe:
+            moe, k = layer.mlp, layer.mlp.top_k
+            ids = torch.zeros(0, k, dtype=torch.long, device=model.device)
+            x = x + moe.dispatch(x, ids, x.new_zeros(0, k), moe.experts)
+        if (i + 1) % layers_per_segment == 0 and i + 1 < len(layers):
+            yield i + 1, None
+    yield len(layers), x
 
 
 def gather_hf_tensors(model, ctx) -> dict[str, torch.Tensor]:
