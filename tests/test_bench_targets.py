@@ -11,7 +11,7 @@ SMALL = {
     "model": ["--batch", "1", "--seq-len", "32", "--repeats", "1"],
     "engine": ["--batch", "2", "--new-tokens", "4", "--mixed", "4", "--repeats", "1"],
     "tree": ["--trees", "1", "--prompt", "16", "--turns", "1", "--repeats", "1", "--models", "dense"],
-    "rl": ["--repeats", "1"],
+    "rl": ["--repeats", "1", "--prompts", "1", "--trl", "off"],
     "c3po": ["--groups", "2", "--samples", "8"],
     "mismatch": ["--steps", "2", "--seeds", "1", "--groups", "2", "--max-tokens", "8", "--model", "tiny"],
 }   # dllm trains its models for minutes: its targets are checked below on a real evaluation of a tiny model

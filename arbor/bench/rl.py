@@ -1,64 +1,192 @@
-"""One full RL step on the tiny model, split into phases (``arbor bench rl``).
+"""Arbor's RL step against TRL's ``GRPOTrainer``, on TRL's shape and on an agentic one (``arbor bench rl``).
 
-8 prompts × 4 samples, 32 new tokens each (EOS ignored), synchronous: rollout (engine),
-log-prob recompute, training (forward + backward + AdamW) and weight sync, each timed; medians
-over ``repeats`` steps after a warm-up step. Tokens/s = trained tokens ÷ phase time.
+Both systems train the same HF folder (``--model``; default: a tiny random Qwen3, hidden 256,
+written to OUT/rl_model) in float32 with one optimizer step per batch, beta = 0, sampling at
+temperature 1, EOS ignored. Workloads (``arbor.bench.rl_workloads``):
+
+- ``trl``: 8 prompts × 4 samples × 32 new tokens; prompts are a one-line instruction in the chat
+  template (the same token ids for TRL).
+- ``agentic``: a 512-token shared system prompt + task, 3 model turns of 64 tokens, a tool answer
+  of 64–256 tokens after the first two, branching [4, 2] (8 trajectories per group). TRL has no
+  environment turns, so its closest equivalent is documented as: each group's prompt (system +
+  task) with 8 completions of the flattened rest of a trajectory (3 × 64 model tokens + the mean
+  tool-turn length), all generated and trained; its trained tokens/s counts the 3 × 64 model
+  tokens per sample, the tokens Arbor trains, so the ratio is the ratio of trajectories per second.
+
+Arbor runs ``arbor.train.rl.RLTrainer`` (the trainer of ``arbor train``) synchronously (C3PO++
+off); each step is timed whole and per phase (rollout, log-prob recompute, train, weight sync);
+medians over ``--steps`` steps after one warm-up step. Trained tokens = the loss (model) tokens
+of every trajectory. TRL (when importable) runs in a subprocess (``arbor.bench.rl_trl``) on the
+same threads. Targets: trained tokens/s ≥ 1.5× TRL on TRL's shape, ≥ 3× on the agentic one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
 
 from arbor.bench.common import median, print_table, print_targets, target, write_result
-from arbor.bench.rl_setup import make_trainer, tiny_model
-from arbor.rollout.collector import RolloutConfig
-from arbor.tasks.longtail import LongTailProblem
-from arbor.train.rl import C3POConfig, RLConfig
+from arbor.bench.rl_workloads import Workload, default_model, make_task, prompt_texts, workload
 
 PHASES = ["rollout_s", "recompute_s", "train_s", "sync_s"]
+WANTED = {"trl": 1.5, "agentic": 3.0}
 
 
-def run(out_dir="bench_results", repeats=5, device="cpu", seed=0, engine_dtypes=("float32", "bfloat16")):
-    model, tok = tiny_model(seed=seed, device=device)
-    result, rows = {"config": {"prompts": 8, "samples": 4, "new_tokens": 32}, "systems": {}}, []
-    for dtype in engine_dtypes:
-        cfg = RLConfig(task="longtail", seed=seed, device=device, groups_per_step=8, checkpoint_every=0,
-                       engine_dtype=dtype, c3po=C3POConfig(enabled=False),
-                       rollout=RolloutConfig(max_turn_tokens=32, max_context=200, branch=[4]))
-        trainer = make_trainer(cfg, model, tok)
-        trainer.problems = [LongTailProblem(p.letter, 32) for p in trainer.problems]
-        hist = [asyncio.run(trainer.train_step()) for _ in range(repeats + 1)][1:]
-        med = {k: median([r[k] for r in hist]) for k in PHASES}
-        tokens = median([r["tokens"] for r in hist])
-        total = sum(med.values())
-        result["systems"][f"engine {dtype}"] = {"median_s": med, "tokens_per_step": tokens,
-                                                 "tokens_per_s": tokens / total, "history": hist}
-        rows.append([f"engine {dtype}"] + [1e3 * med[k] for k in PHASES] + [tokens / total])
-    print_table(f"one RL step (8x4 samples, 32 tokens), {device}, median of {repeats}",
-                ["system", "rollout ms", "recompute ms", "train ms", "sync ms", "tokens/s"], rows)
-    share = {name: s["median_s"]["sync_s"] / sum(s["median_s"].values()) for name, s in result["systems"].items()}
-    result["targets"] = [target(f"{name}: weight sync share of the step (in place, ASystem)", v, "<= 0.02", v <= 0.02)
-                         for name, v in share.items()]
-    print_targets(result["targets"])
+def arbor_trainer(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, seed: int = 0, **overrides):
+    """The RL trainer of ``arbor train`` on ``model_dir`` and workload ``w`` (``overrides``: RLConfig fields)."""
+    from arbor.models import load_model
+    from arbor.models.tokenizer import Tokenizer
+    from arbor.rollout.collector import RolloutConfig
+    from arbor.train.rl import C3POConfig, RLConfig, RLTrainer
+    from arbor.train.run import make_engine
+    torch.manual_seed(seed)
+    model = load_model(model_dir, dtype=torch.float32, device=device)
+    tok = Tokenizer.load(model_dir)
+    cfg = RLConfig(model=str(model_dir), task=f"bench-{w.name}", seed=seed, device=device, steps=steps + 1,
+                   groups_per_step=w.prompts, checkpoint_every=0, engine_dtype=engine_dtype,
+                   c3po=C3POConfig(enabled=False),
+                   rollout=RolloutConfig(max_turn_tokens=w.new_tokens, max_context=w.max_context, branch=list(w.branch),
+                                         end_on_truncation=False), **overrides)
+    cfg.validate()
+    engine, sampling = make_engine(model, tok, engine_dtype, device, max_model_len=w.max_context + 64)
+    return RLTrainer(cfg, model, tok, engine, sampling, make_task(w, tok))
+
+
+def run_arbor(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, **overrides) -> dict:
+    """→ medians of step seconds, phases and trained tokens over ``steps`` steps after a warm-up step."""
+    trainer = arbor_trainer(model_dir, w, steps, engine_dtype, device, **overrides)
+    hist, walls = [], []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        row = asyncio.run(trainer.train_step())
+        walls.append(time.perf_counter() - t0)
+        hist.append(row)
+    hist, walls = hist[1:], walls[1:]
+    step_s, tokens = median(walls), median([r["tokens"] for r in hist])
+    keep = [k for k in hist[0] if isinstance(hist[0][k], (int, float))]
+    return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
+            "phases_s": {k: median([r[k] for r in hist]) for k in PHASES},
+            "samples_per_step": median([r["samples"] for r in hist]),
+            "recompute_skipped": bool(hist[0].get("recompute_skipped", False)),
+            "history": [{k: r[k] for k in keep} for r in hist]}
+
+
+def trl_completion(w: Workload, tok) -> int:
+    """Tokens TRL generates per sample for ``w``: the flattened rest of a trajectory (model turns +
+    mean tool turns with their chat framing)."""
+    from arbor.rollout.chat import env_turn_ids
+    tool = (w.tool_min + w.tool_max) // 2 + len(env_turn_ids(tok, ""))
+    return w.turns * w.new_tokens + (w.turns - 1) * tool
+
+
+def run_trl(model_dir, w: Workload, steps: int, threads: int, device: str, out: Path, timeout: float) -> dict:
+    """TRL's GRPOTrainer on ``w`` in a subprocess; → its timings and trained tokens/s (model tokens)."""
+    from arbor.models.tokenizer import Tokenizer
+    tok = Tokenizer.load(model_dir)
+    prompts = out / f"rl_trl_prompts_{w.name}.json"
+    prompts.write_text(json.dumps(prompt_texts(w, tok, w.prompts * (steps + 1))))
+    completion = trl_completion(w, tok)
+    cmd = [sys.executable, "-m", "arbor.bench.rl_trl", "--model", str(model_dir), "--prompts", str(prompts),
+           "--batch-prompts", str(w.prompts), "--generations", str(w.samples), "--completion", str(completion),
+           "--steps", str(steps), "--threads", str(threads), "--device", device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": str(threads), "TRL_EXPERIMENTAL_SILENCE": "1"})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    r = json.loads(line[len("RESULT "):])
+    step_s = median(r["step_s"])
+    trained = w.prompts * w.samples * w.model_tokens
+    return {**r, "step_s_median": step_s, "completion_tokens": completion, "tokens_per_step": trained,
+            "tokens_per_s": trained / step_s, "completion_tokens_per_s": r["completion_tokens_per_step"] / step_s}
+
+
+def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps=3, threads=0, engine_dtype="float32",
+        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, **overrides) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    model_dir = Path(model) if model else default_model(out / "rl_model")
+    has_trl = trl != "off" and importlib.util.find_spec("trl") is not None
+    if trl == "on" and not has_trl:
+        raise SystemExit("--trl on: the trl package is not importable (pip install trl)")
+    result = {"config": {"model": str(model_dir), "steps": steps, "threads": threads, "engine_dtype": engine_dtype,
+                         "device": device, "trl": has_trl}, "workloads": {}}
+    rows, targets = [], []
+    for name in workloads:
+        w = workload(name, prompts)
+        a = run_arbor(model_dir, w, steps, engine_dtype, device, **overrides)
+        entry = {"shape": w.__dict__ | {"samples": w.samples}, "arbor": a}
+        ph = a["phases_s"]
+        rows.append([f"{name}: Arbor"] + [a["step_s"]] + [1e3 * ph[k] for k in PHASES] + [a["tokens_per_s"], ""])
+        ratio = None
+        if has_trl:
+            t = run_trl(model_dir, w, steps, threads, device, out, trl_timeout)
+            entry["trl"] = t
+            ratio = a["tokens_per_s"] / t["tokens_per_s"]
+            entry["ratio"] = ratio
+            result["config"]["trl_version"] = t["trl"]
+            rows.append([f"{name}: TRL {t['trl']}", t["step_s_median"], "", "", "", "", t["tokens_per_s"], ratio])
+        what = f"{name}: Arbor ÷ TRL trained tokens/s, {threads} threads" + ("" if has_trl else " (trl not installed: not measured)")
+        targets.append(target(what, ratio, f">= {WANTED[name]}", ratio is not None and ratio >= WANTED[name]))
+        result["workloads"][name] = entry
+    print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}, median of {steps}",
+                ["system", "s/step", "rollout ms", "recompute ms", "train ms", "sync ms", "trained tok/s", "÷ TRL"], rows)
+    result["targets"] = targets
+    print_targets(targets)
 
     def plot(plt):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        left = [0.0] * len(rows)
-        for j, k in enumerate(PHASES):
-            vals = [r[1 + j] for r in rows]
-            ax.barh([r[0] for r in rows], vals, left=left, label=k[:-2])
-            left = [a + b for a, b in zip(left, vals)]
-        ax.set_xlabel("ms per RL step (median)")
-        ax.legend()
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = list(result["workloads"])
+        left = [0.0] * len(names)
+        for k in PHASES:
+            vals = [result["workloads"][n]["arbor"]["phases_s"][k] for n in names]
+            ax.barh([f"{n}: Arbor" for n in names], vals, left=left, label=k[:-2])
+            left = [x + y for x, y in zip(left, vals)]
+        trl_names = [n for n in names if "trl" in result["workloads"][n]]
+        if trl_names:
+            ax.barh([f"{n}: TRL" for n in trl_names], [result["workloads"][n]["trl"]["step_s_median"] for n in trl_names],
+                    color="grey", label="TRL step")
+        ax.set_xlabel("seconds per RL step (median)")
+        ax.legend(fontsize=7)
         return fig
 
-    write_result(out_dir, "rl", result, plot)
+    write_result(out, "rl", result, plot)
     return result
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", help="HF model folder (default: a tiny random Qwen3 written to OUT/rl_model)")
+    p.add_argument("--workload", default="both", choices=["trl", "agentic", "both"])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per system (after one warm-up step)")
+    p.add_argument("--repeats", type=int, help="alias of --steps")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prompts", type=int, help="groups per step (default: 8 for trl, 2 for agentic)")
+    p.add_argument("--trl", default="auto", choices=["auto", "on", "off"],
+                   help="run TRL's GRPOTrainer for the ratio (auto: when trl is importable)")
+    p.add_argument("--trl-timeout", type=float, default=1200.0, help="seconds before the TRL subprocess is killed")
 
 
 def main(args) -> None:
-    run(out_dir=args.out, repeats=args.repeats, device=args.device)
+    steps = args.repeats if args.repeats is not None else args.steps
+    for flag, v in (("--steps/--repeats", steps), ("--prompts", args.prompts if args.prompts is not None else 1)):
+        if v < 1:
+            raise SystemExit(f"{flag} must be ≥ 1, got {v}")
+    if args.threads < 0:
+        raise SystemExit(f"--threads must be ≥ 0, got {args.threads}")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there (an HF model folder is needed)")
+    workloads = ("trl", "agentic") if args.workload == "both" else (args.workload,)
+    run(out_dir=args.out, model=args.model, workloads=workloads, steps=steps, threads=args.threads,
+        engine_dtype=args.engine_dtype, device=args.device, trl=args.trl, prompts=args.prompts,
+        trl_timeout=args.trl_timeout)

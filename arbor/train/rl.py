@@ -87,6 +87,7 @@ class RLConfig:
     replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
     moe_aux_coef: float = 0.0    # MoE: weight of the load-balancing loss (tree tokens count multiplicity times)
     recompute: bool = False      # activation recomputation (gradient checkpointing per layer)
+    old_logprobs: str = "auto"   # auto: θ_old's log-probs from the training forward when exact (see RLTrainer.skips_recompute) | recompute
     tree: TreeConfig = field(default_factory=TreeConfig)   # each group as one prefix tree (HARTS); token_cap per micro-batch
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -106,7 +107,8 @@ class RLConfig:
               (self.engine_noise_dist in NOISE_DISTS, "engine_noise_dist", f"must be one of {NOISE_DISTS}"),
               (0 <= self.engine_noise_frac <= 1, "engine_noise_frac", "must be in [0, 1]"),
               (self.eval_every >= 0, "eval_every", "must be ≥ 0"), (self.eval_problems >= 1, "eval_problems", "must be ≥ 1"),
-              (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"), (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"))
+              (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"), (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"),
+              (self.old_logprobs in ("auto", "recompute"), "old_logprobs", "must be auto or recompute"))
 
 
 # token-weighted means over a step's optimizer steps (moe_aux: sample share; entropy: of π_old, recompute pass)
@@ -212,6 +214,16 @@ class RLTrainer:
             self._idle_passes(len(micros) * (2 if ref is not None else 1))
         return old, ref, ent
 
+    @property
+    def skips_recompute(self) -> bool:
+        """True when the log-prob pass at θ_old cannot change anything, so it is skipped: one optimizer
+        step per RL step (``ppo_epochs = mini_batches = 1``: every micro-batch's training forward runs
+        at θ_old, so ``logp.detach()`` *is* logp_old, bit for bit) and no frozen reference to score.
+        The mismatch correction (IcePop/TIS) still sees θ_old vs the engine; the entropy of π_old
+        comes from the same forward. Logged as ``recompute_skipped``."""
+        c = self.cfg
+        return c.old_logprobs == "auto" and c.ppo_epochs == 1 and c.mini_batches == 1 and self.reference is None
+
     def _idle_passes(self, mine: int) -> None:
         """Under expert parallelism every rank runs as many forward(+backward) passes as the busiest."""
         if getattr(self.model, "ep_state", None) is not None:
@@ -228,10 +240,14 @@ class RLTrainer:
             parts[g % len(parts)].extend(members)
         return parts
 
-    def train_on(self, trajs, logp_old, logp_ref=None) -> dict:
+    def train_on(self, trajs, logp_old, logp_ref=None, entropy: list | None = None) -> dict:
         """``ppo_epochs`` passes over the samples, each ``mini_batches`` optimizer steps; advantages
         once per step. The first optimizer step has r ≡ 1; later ones see how far θ moved from θ_old,
-        so the clip and the dual clip act. → step metrics (token-weighted over all optimizer steps)."""
+        so the clip and the dual clip act. → step metrics (token-weighted over all optimizer steps).
+        ``logp_old`` None (only with one optimizer step, ``skips_recompute``): each micro-batch's own
+        forward, detached, is θ_old's; ``entropy`` then receives [entropy sum, tokens] of π_old."""
+        if logp_old is None and self.cfg.ppo_epochs * self.cfg.mini_batches != 1:
+            raise ValueError("logp_old may be None only with one optimizer step per RL step")
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
         adv = group_advantages(rewards, torch.tensor([t.group for t in trajs], dtype=torch.long),
                                self.cfg.advantage, self.cfg.normalize_std)
@@ -240,7 +256,7 @@ class RLTrainer:
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
             for mini in self.mini_batches(trajs):
-                self._train_mini(trajs, mini, adv, logp_old, logp_ref, stats)
+                self._train_mini(trajs, mini, adv, logp_old, logp_ref, stats, entropy)
                 opt = optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx)
                 if opt["skipped"]:
                     skipped += 1
@@ -253,7 +269,7 @@ class RLTrainer:
                    lr=opt["lr"], optimizer_steps=len(norms), skipped_steps=skipped)
         return out
 
-    def _train_mini(self, trajs, mini: list[int], adv, logp_old, logp_ref, stats: dict) -> None:
+    def _train_mini(self, trajs, mini: list[int], adv, logp_old, logp_ref, stats: dict, entropy: list | None = None) -> None:
         """Forward + backward of one mini-batch (its micro-batches); the loss is the mean over the
         mini-batch's samples of all ranks. Accumulates token-weighted loss statistics in ``stats``."""
         dev = self.model.device
@@ -263,13 +279,17 @@ class RLTrainer:
         pos = {t: p for p, t in enumerate(mini)}          # sample index inside the mini-batch
         for micro in micros:
             sub = [trajs[i] for i in micro]
-            logp, _, *aux = self.logprobs(sub, with_aux=aux_coef > 0)
+            ent = [] if entropy is not None else None
+            logp, _, *aux = self.logprobs(sub, with_aux=aux_coef > 0, entropy=ent)
             lengths = torch.tensor([len(t.tokens) for t in sub], device=dev)
+            mask = torch.tensor(flat(sub, "loss_mask"), device=dev)
+            if ent is not None:
+                entropy[0] += float((ent[0] * mask).sum())
+                entropy[1] += float(mask.sum())
+            old = logp.detach() if logp_old is None else torch.cat([logp_old[i] for i in micro]).to(dev)
             loss, st = policy_loss(
-                logp, torch.cat([logp_old[i] for i in micro]).to(dev),
-                torch.tensor(flat(sub, "logp_infer"), device=dev),
-                torch.repeat_interleave(adv[micro].to(dev), lengths),
-                torch.tensor(flat(sub, "loss_mask"), device=dev),
+                logp, old, torch.tensor(flat(sub, "logp_infer"), device=dev),
+                torch.repeat_interleave(adv[micro].to(dev), lengths), mask,
                 torch.repeat_interleave(torch.tensor([pos[i] for i in micro], device=dev), lengths),
                 max(n, 1), self.cfg.loss,
                 logp_ref=torch.cat([logp_ref[i] for i in micro]).to(dev) if logp_ref is not None else None)
@@ -315,12 +335,14 @@ class RLTrainer:
             names = sorted(rstats)
             row.update(zip(names, map(int, self.ctx.sum_floats([rstats[k] for k in names], "rollout stats"))))
         if total:
-            logp_old, logp_ref, ent = self.recompute_old(trajs)
+            skip = self.skips_recompute
+            logp_old, logp_ref, ent = (None, None, [0.0, 0.0]) if skip else self.recompute_old(trajs)
+            t2 = time.perf_counter()
+            row.update(self.train_on(trajs, logp_old, logp_ref, entropy=ent if skip else None))
             if self.ctx.distributed:
                 ent = self.ctx.sum_floats(ent, "entropy")
-            t2 = time.perf_counter()
-            row.update(self.train_on(trajs, logp_old, logp_ref))
             row["entropy"] = ent[0] / max(1.0, ent[1])
+            row["recompute_skipped"] = float(skip)
             t3 = time.perf_counter()
             oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
             staleness = self.collector.version - oldest   # policy versions behind the one trained
