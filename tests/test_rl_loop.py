@@ -99,6 +99,41 @@ def test_tree_branches_at_chosen_turns(tiny):
     assert len({tuple(t.tokens) for t in trajs}) == 6
 
 
+class SlowTool(ThreeTurns):
+    """ThreeTurns whose tool answers after a fixed latency (prefills of observations arrive while others decode)."""
+
+    async def step(self, action):
+        await asyncio.sleep(0.02)
+        return await super().step(action)
+
+    def fork(self):
+        env = SlowTool()
+        env.turns = self.turns
+        return env
+
+
+def test_pd_multiplex_rollouts_equal_prefill_first(tiny):
+    """Greedy multi-turn rollouts with tool latency: the same trajectories under every engine policy."""
+    model, tok = tiny
+    got = {}
+    for policy in ("prefill-first", "pd-multiplex", "pd-global-enqueue"):
+        trainer = make_trainer(config(rollout=RolloutConfig(max_turn_tokens=8, max_context=300, branch=[2, 2],
+                                                               temperature=0.0, end_on_truncation=False,
+                                                               policy=policy)), model, tok)
+        col = trainer.collector
+
+        async def go():
+            pool = [e for g in range(3) for e in await col.start(SlowTool(), g, None, 0)]
+            return await col.run_iteration(pool, 0)
+
+        trees, left, _ = asyncio.run(go())
+        assert not left and trainer.engine.engine.config.policy == policy
+        got[policy] = sorted((t.group, tuple(t.tokens), tuple(round(x, 4) for x in t.logp_infer))
+                             for tree in trees for t in tree.trajectories())
+    assert len(got["prefill-first"]) == 12
+    assert got["pd-multiplex"] == got["prefill-first"] == got["pd-global-enqueue"]
+
+
 def test_c3po_carries_partial_rollouts_across_versions(tiny):
     model, tok = tiny
     cfg = config(c3po=C3POConfig(enabled=True, token_budget=60, capacity=6, max_age=3))

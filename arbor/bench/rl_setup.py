@@ -24,5 +24,6 @@ def make_trainer(cfg: RLConfig, model, tok) -> RLTrainer:
     """A trainer on its own copy of ``model`` (so runs compared side by side start equal)."""
     model = copy.deepcopy(model)
     engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
-                                   cfg.rollout.max_context + 64, None, cfg.engine_noise_dist, cfg.engine_noise_frac)
+                                   cfg.rollout.max_context + 64, None, cfg.engine_noise_dist, cfg.engine_noise_frac,
+                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers)
     return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task))

@@ -35,7 +35,8 @@ def replica_spec(rl, c) -> ReplicaSpec:
     """The engine of every replica: the RL config's engine keys, as ``arbor.train.run.make_engine``."""
     engine = dict(dtype=rl.engine_dtype, device=rl.device, logit_noise=rl.engine_logit_noise,
                   max_model_len=rl.rollout.max_context + 64, logit_noise_dist=rl.engine_noise_dist,
-                  logit_noise_frac=rl.engine_noise_frac)
+                  logit_noise_frac=rl.engine_noise_frac, policy=rl.rollout.policy,
+                  pd_segment_layers=rl.rollout.pd_segment_layers)
     return ReplicaSpec(rl.model, engine, 1, c.stream_interval_ms / 1e3)
 
 

@@ -46,10 +46,14 @@ class RolloutConfig:
     branch: list[int] = field(default_factory=lambda: [4])
     seed: int = 0
     end_on_truncation: bool = True   # a model turn cut at max_turn_tokens (no end-of-turn) ends the episode
+    policy: str = "mixed"            # the engine's scheduling policy (EngineConfig.policy), e.g. pd-multiplex
+    pd_segment_layers: int = 1       # pd-multiplex: layers per prefill segment (EngineConfig.pd_segment_layers)
 
     def validate(self) -> None:
         from arbor.configs import check
-        check(self, (self.max_turn_tokens >= 1, "max_turn_tokens", "must be ≥ 1"),
+        from arbor.engine.scheduler import POLICIES
+        check(self, (self.policy in POLICIES, "policy", f"must be one of {sorted(POLICIES)}"),
+              (self.pd_segment_layers >= 1, "pd_segment_layers", "must be ≥ 1"), (self.max_turn_tokens >= 1, "max_turn_tokens", "must be ≥ 1"),
               (self.max_context >= 2, "max_context", "must be ≥ 2"), (self.temperature >= 0, "temperature", "must be ≥ 0"),
               (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
               (len(self.branch) >= 1 and all(b >= 1 for b in self.branch), "branch", "must be a non-empty list of counts ≥ 1"))

@@ -66,7 +66,8 @@ def demo(cfg: DemoConfig) -> dict:
         """One engine (sharing the model's tensors) and trainer, for the SFT checks and for RL."""
         if "trainer" not in built:
             engine, sampling = make_engine(model, tok, cfg.rl.engine_dtype, cfg.rl.device,
-                                           max_model_len=cfg.rl.rollout.max_context + 64)
+                                           max_model_len=cfg.rl.rollout.max_context + 64,
+                                           policy=cfg.rl.rollout.policy, pd_segment_layers=cfg.rl.rollout.pd_segment_layers)
             built["trainer"] = RLTrainer(cfg.rl, model, tok, engine, sampling, get_task(cfg.rl.task))
         return built["trainer"]
 
