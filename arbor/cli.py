@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "ep", "routepack", "cluster"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "ep", "routepack", "cluster",
+              "makespan"]
 
 
 def add_bench(sub) -> None:

@@ -216,10 +216,14 @@ class LLMEngine:
         return self.run_batch(batch)
 
     def run_batch(self, batch, layers_per_segment: int | None = None, at_boundary=None,
-                  phase: str = "step") -> list[Sequence]:
+                  phase: str | None = None) -> list[Sequence]:
         """Forward ``batch`` (cut every ``layers_per_segment`` layers, ``at_boundary()`` between
-        segments), commit its KV, sample, append, check stops; → the sequences that sampled."""
+        segments), commit its KV, sample, append, check stops; → the sequences that sampled.
+        ``phase`` names the forward in ``timeline`` (default: decode, prefill or mixed by its chunks)."""
         routing = any(s.params.return_routed_experts for s, _ in batch)
+        if phase is None and self.timeline is not None:
+            ones = sum(n == 1 for _, n in batch)
+            phase = "decode" if ones == len(batch) else "prefill" if not ones else "mixed"
         t0 = time.perf_counter()
         for seq, n in batch:
             if n == 1 and seq.last_token_time is not None and seq.num_pending_tokens == 1:

@@ -1,0 +1,42 @@
+"""``arbor bench makespan`` end to end on tiny models: 1 rank and 2 EP ranks as child processes."""
+
+import json
+
+import pytest
+
+from arbor.cli import main
+
+
+def test_bench_makespan_smoke(tmp_path, capsys):
+    assert main(["bench", "makespan", "--out", str(tmp_path), "--configs", "1 rank dense,2 ranks MoE (EP=2)",
+                 "--trajectories", "4", "--turns", "2", "--prompt-tokens", "40-120", "--tool-tokens", "16-48",
+                 "--output-tokens", "4-12", "--tool-median-ms", "20", "--hidden", "64", "--layers", "2",
+                 "--experts", "4", "--vocab", "256", "--max-num-batched-tokens", "64", "--repeats", "1",
+                 "--timeout", "90"]) in (0, None)
+    r = json.loads((tmp_path / "makespan.json").read_text())
+    assert (tmp_path / "makespan.png").exists() and r["benchmark"] == "makespan"
+    two = r["results"]["2 ranks MoE (EP=2)"]
+    for res in r["results"].values():
+        assert res["same_outputs"]                        # every policy generated the same tokens
+        for p in ("prefill-first", "mixed", "pd-global-enqueue", "pd-multiplex"):
+            assert res[p]["median_makespan_s"] > 0 and res[p]["tokens_per_s"] > 0
+            assert res[p]["ttft_continuation_p99_s"] >= res[p]["ttft_continuation_p50_s"] > 0
+    assert len(two["pd-multiplex"]["timeline"]) == 2      # one per rank
+    # pd-multiplex runs decode steps at the boundaries inside a prefill forward; the coarse baseline has none
+    assert min(two["pd-multiplex"]["boundary_decode_steps"]) > 0 and two["pd-global-enqueue"]["boundary_decode_steps"] == [0, 0]
+    names = [t["name"] for t in r["targets"]]
+    assert len(names) == 2 and all(set(t) == {"name", "value", "target", "met"} for t in r["targets"])
+    assert r["targets"][0]["met"] == (r["targets"][0]["value"] >= 0.20)
+    assert set(r["reported"]) == {"pd_multiplex_over_mixed", "pd_multiplex_p99_ttft_over_prefill_first"}
+    assert "targets" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [(["--prompt-tokens", "9-3"], "LO <= HI"),
+                                           (["--configs", "3 ranks"], "unknown ['3 ranks']"),
+                                           (["--turns", "0"], "--turns must be >= 1")])
+def test_bench_makespan_refuses_bad_flags(tmp_path, capsys, args, message):
+    try:
+        code = main(["bench", "makespan", "--out", str(tmp_path), *args])
+    except SystemExit as e:           # argparse: a bad value of a typed flag
+        code = e.code
+    assert code not in (0, None) and message in capsys.readouterr().err
