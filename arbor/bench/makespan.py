@@ -46,12 +46,12 @@ def _span(text: str, lo: int = 1) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--trajectories", type=int, default=8, help="trajectories in all (split over the ranks)")
+    p.add_argument("--trajectories", type=int, default=16, help="trajectories in all (split over the ranks)")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--prompt-tokens", type=_span, default=[256, 2048], metavar="LO-HI")
     p.add_argument("--tool-tokens", type=_span, default=[64, 1024], metavar="LO-HI")
     p.add_argument("--output-tokens", type=_span, default=[16, 128], metavar="LO-HI")
-    p.add_argument("--tool-median-ms", type=float, default=300.0)
+    p.add_argument("--tool-median-ms", type=float, default=1000.0, help="median tool latency (sandboxed code, search: ~1 s)")
     p.add_argument("--tool-sigma", type=float, default=0.5, help="σ of the log-normal tool latency")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
