@@ -40,6 +40,11 @@ class SegmentTreeAttention:
             mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), mask], 1)
             self._keys.append(keys.to(dev))
             self._masks.append(None if ctx == 0 else mask.to(dev))
+        # one gather of every run's keys per layer, split per run: autograd then accumulates k/v's
+        # gradient in one index_put (a slice or index per run would zero-fill a full-size gradient each)
+        self._all_keys = torch.cat(self._keys) if self._keys else torch.zeros(0, dtype=torch.long, device=dev)
+        self._key_lens = [k.numel() for k in self._keys]
+        self._q_lens = [e - b for b, e in zip(seg.start, seg.end)]   # runs tile the tokens in order
 
     @property
     def num_tokens(self) -> int:
@@ -49,11 +54,11 @@ class SegmentTreeAttention:
         return segment_depths(self.segments, self.num_tokens).to(self.parents.device)
 
     def attend(self, layer_idx, q, k, v, scale):
-        seg, outs = self.segments, []
-        for s, (keys, mask) in enumerate(zip(self._keys, self._masks)):
-            qs = q[None, seg.start[s]:seg.end[s]]
-            if mask is None:  # a root run: plain causal attention over itself
-                outs.append(sdpa(qs, k[None, keys], v[None, keys], scale, causal=True)[0])
-            else:
-                outs.append(sdpa(qs, k[None, keys], v[None, keys], scale, mask=mask)[0])
+        if not self._keys:
+            return q[:0]
+        ks, vs = k[self._all_keys].split(self._key_lens), v[self._all_keys].split(self._key_lens)
+        outs = []
+        for qs, ks_, vs_, mask in zip(q.split(self._q_lens), ks, vs, self._masks):
+            # mask None: a root run, plain causal attention over itself
+            outs.append(sdpa(qs[None], ks_[None], vs_[None], scale, mask=mask, causal=mask is None)[0])
         return torch.cat(outs)
