@@ -24,7 +24,12 @@ class EngineConfig:
     (each holds every linear layer's state; 0 turns prefix caching off for such models).
     ``policy``: ``mixed`` | ``prefill-first`` | ``pd-multiplex`` | ``pd-global-enqueue`` (``scheduler``);
     ``pd_segment_layers``: layers per prefill segment under ``pd-multiplex`` — a decode step may run
-    at every segment boundary (a segment's tokens: the prefill epoch, ≤ ``max_num_batched_tokens``)."""
+    at every segment boundary (a segment's tokens: the prefill epoch, ≤ ``max_num_batched_tokens``).
+    ``layer_kv``: layer-wise KV over two tiers (``arbor.engine.layerkv``): a device tier of
+    ``device_kv_blocks`` layer-blocks (default: the pool above, in layer-blocks) and a host tier of
+    ``host_kv_blocks`` blocks (default: the pool above); ``policy="layerkv"`` adds
+    SLO-aware admission to ``mixed`` (``tpot_slo``, ``ttft_slo`` in seconds, safety factor
+    ``slo_safety`` ≥ 1 on the predicted prefill time; ``arbor.engine.slo_admission``)."""
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -43,6 +48,12 @@ class EngineConfig:
     logit_noise_dist: str = "normal"
     logit_noise_frac: float = 1.0
     progress: bool = False
+    layer_kv: bool = False
+    device_kv_blocks: int | None = None
+    host_kv_blocks: int | None = None
+    tpot_slo: float | None = None
+    ttft_slo: float | None = None
+    slo_safety: float = 1.2
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -85,7 +96,32 @@ class EngineConfig:
         from arbor.engine.scheduler import POLICIES
         if self.policy not in POLICIES:
             raise ValueError(f"EngineConfig.policy must be one of {sorted(POLICIES)}, got '{self.policy}'")
+        self._validate_layer_kv()
         self.torch_dtype
+
+    def _validate_layer_kv(self) -> None:
+        if not isinstance(self.layer_kv, bool):
+            raise ValueError(f"EngineConfig.layer_kv must be true or false, got {self.layer_kv!r}")
+        for name in ("device_kv_blocks", "host_kv_blocks"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.device_kv_blocks is not None and self.device_kv_blocks < 2:
+            raise ValueError("EngineConfig.device_kv_blocks must be >= 2 (a layer-block for the layer that "
+                             f"computes and one for the next layer's prefetch), got {self.device_kv_blocks}")
+        for name in ("tpot_slo", "ttft_slo"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"EngineConfig.{name} must be a number of seconds > 0 (or None), got {value!r}")
+        if isinstance(self.slo_safety, bool) or not isinstance(self.slo_safety, (int, float)) or not self.slo_safety >= 1:
+            raise ValueError(f"EngineConfig.slo_safety must be a number >= 1, got {self.slo_safety!r}")
+        if self.policy == "layerkv":
+            if not self.layer_kv:
+                raise ValueError("EngineConfig.policy 'layerkv' (SLO-aware admission) needs layer_kv=True")
+            if self.tpot_slo is None:
+                raise ValueError("EngineConfig.policy 'layerkv' needs tpot_slo (seconds per output token)")
+        if self.layer_kv and self.policy.startswith("pd-"):
+            raise ValueError(f"EngineConfig.layer_kv does not combine with policy '{self.policy}' "
+                             "(use mixed, prefill-first or layerkv)")
 
     def check_device(self) -> torch.device:
         """The engine's device, or ValueError when this process cannot use it (e.g. "cuda" without CUDA)."""

@@ -103,13 +103,20 @@ class LLMEngine:
         n_attn = sum(t == "full_attention" for t in mc.layer_types)
         per_block = KVCache.bytes_per_block(n_attn, cfg.block_size, mc.num_key_value_heads, mc.head_dim,
                                             cfg.torch_dtype)
-        num_blocks = cfg.resolve_num_blocks(per_block)
-        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings, num_blocks * cfg.block_size)
+        num_blocks = seq_blocks = cfg.resolve_num_blocks(per_block)
+        runner_cls, manager_cls, tiers = ModelRunner, BlockManager, {}
+        self.layer_kv = None
+        if cfg.layer_kv:    # two KV tiers with per-layer residency (arbor.engine.layerkv)
+            from arbor.engine.layerkv import LayerKV, LayerKVRunner, TieredBlockManager
+            self.layer_kv = LayerKV(cfg, n_attn, per_block, self.model.device)
+            num_blocks, seq_blocks = self.layer_kv.host_blocks, self.layer_kv.max_seq_blocks
+            runner_cls, manager_cls, tiers = LayerKVRunner, TieredBlockManager, {"tiers": self.layer_kv}
+        self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings, seq_blocks * cfg.block_size)
         snapshots = cfg.state_snapshots if has_linear and cfg.enable_prefix_caching else 0
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed,
-                                  snapshots, cfg.logit_noise_dist, cfg.logit_noise_frac)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching and (
-            snapshots > 0 or not has_linear), states=self.runner.states if snapshots else None)
+        self.runner = runner_cls(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed,
+                                 snapshots, cfg.logit_noise_dist, cfg.logit_noise_frac, **tiers)
+        self.block_manager = manager_cls(num_blocks, cfg.block_size, cfg.enable_prefix_caching and (
+            snapshots > 0 or not has_linear), states=self.runner.states if snapshots else None, **tiers)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,
                                    on_free=self.runner.release)
         self.sampler = Sampler(cfg.seed)

@@ -23,8 +23,7 @@ class ModelRunner:
         self.device = model.device
         self.layer_map = {i: a for a, i in enumerate(
             i for i, t in enumerate(cfg.layer_types) if t == "full_attention")}
-        self.kv = KVCache(len(self.layer_map), num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                          model.dtype, self.device)
+        self.kv = self.make_cache(num_blocks)
         self.states = StateCache(model, max_num_seqs, self.device, num_state_snapshots)
         if noise_dist not in ("normal", "cauchy"):
             raise ValueError(f"logit_noise_dist must be normal or cauchy, got '{noise_dist}'")
@@ -32,6 +31,17 @@ class ModelRunner:
             raise ValueError(f"logit_noise_frac must be in [0, 1], got {noise_frac}")
         self.logit_noise, self.noise_dist, self.noise_frac = logit_noise, noise_dist, noise_frac
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+
+    def make_cache(self, num_blocks: int) -> KVCache:
+        """The paged KV pool (``LayerKVRunner``: the host tier)."""
+        cfg = self.model.config
+        return KVCache(len(self.layer_map), num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                       self.model.dtype, self.device)
+
+    def attention(self, seqs: list[Sequence], starts: list[int], lengths: list[int]):
+        """The attention metadata of one forward (``LayerKVRunner``: over the two KV tiers)."""
+        return PagedAttention.build(self.kv, self.layer_map, [s.block_table for s in seqs], starts, lengths,
+                                    self.device)
 
     def run(self, batch: list[tuple[Sequence, int]], return_routing: bool = False):
         """→ (batch in token order, seqs that sample, logits [B, V] float32, routing [num_moe_layers, T, k]
@@ -60,7 +70,7 @@ class ModelRunner:
                 ids += s.token_ids[c:c + n]
                 positions += range(c, c + n)
         dev = self.device
-        attn = PagedAttention.build(self.kv, self.layer_map, [s.block_table for s in seqs], starts, lengths, dev)
+        attn = self.attention(seqs, starts, lengths)
         states = slots = None
         if self.states:
             for s in seqs:

@@ -17,6 +17,8 @@ Policies (``SchedulerPolicy.schedule(scheduler) -> list[(seq, num_tokens)]``):
 - ``pd-multiplex`` / ``pd-global-enqueue``: the same plan as ``mixed`` (decodes first, prefill gets
   the leftover budget) run as two forwards, the prefill one cut into segments with decode steps at
   the boundaries — fine boundaries or none (``arbor.engine.pd_multiplex``).
+- ``layerkv``: ``mixed`` with SLO-aware admission of prefills (``arbor.engine.slo_admission``; needs
+  ``EngineConfig.layer_kv``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections import deque
 
 from arbor.engine.block_manager import BlockManager
 from arbor.engine.sequence import Sequence, SequenceStatus
+from arbor.engine.slo_admission import LayerKVPolicy
 
 ScheduledBatch = list[tuple[Sequence, int]]
 
@@ -73,8 +76,9 @@ class Scheduler:
                 i += 1
         return budget
 
-    def schedule_prefills(self, batch: ScheduledBatch, budget: int) -> int:
-        """Continue running prefills, then admit waiting sequences, chunking to the budget."""
+    def schedule_prefills(self, batch: ScheduledBatch, budget: int, admit=None) -> int:
+        """Continue running prefills, then admit waiting sequences, chunking to the budget;
+        ``admit(seq)`` False stops admissions (the SLO check of ``layerkv``)."""
         for seq in self.running:
             if budget == 0:
                 return 0
@@ -87,7 +91,7 @@ class Scheduler:
             parent = seq.parent
             if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens and not parent.is_finished:
                 break  # a sibling waits for its parent's prompt KV, then hits the prefix cache
-            if not self.bm.can_allocate(seq):
+            if not self.bm.can_allocate(seq) or (admit is not None and not admit(seq)):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq)
@@ -176,4 +180,4 @@ class PDGlobalEnqueue(PDMultiplex):
 
 
 POLICIES = {"prefill-first": PrefillFirst, "mixed": Mixed, "pd-multiplex": PDMultiplex,
-            "pd-global-enqueue": PDGlobalEnqueue}
+            "pd-global-enqueue": PDGlobalEnqueue, "layerkv": LayerKVPolicy}
