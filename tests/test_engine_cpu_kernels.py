@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
-from arbor.engine.cpu_linear import PackedLinear, available as packing_available
+from arbor.engine.cpu_linear import PackedExperts, PackedLinear, available as packing_available
+from arbor.models.moe import Experts
 from arbor.models import CausalLM, ModelConfig
 from tests.conftest import TINY
 
@@ -113,5 +114,18 @@ def test_packing_leaves_hybrid_moe_outputs_bit_identical():
     packed = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))                 # its own copy
     plain = LLMEngine(copy.deepcopy(model).bfloat16(), EngineConfig(dtype="bfloat16", num_blocks=64))
     assert packed.num_packed > 0 and plain.num_packed == 0
+    experts = [m for m in packed.model.modules() if isinstance(m, PackedExperts)]
+    assert experts                                                  # every expert's GEMMs go through oneDNN
+    x = torch.randn(7, HYBRID["hidden_size"]).bfloat16()
+    with torch.no_grad():
+        e = experts[0]
+        rows = [x[:3], x[:0], x[3:], x[:1]] + [x[:0]] * (e.gate_up_proj.shape[0] - 4)
+        assert torch.equal(e.grouped(rows), Experts.grouped(e, rows))
     prompts = [[t % 64 for t in p] for p in PROMPTS]
     assert greedy(packed, prompts) == greedy(plain, prompts)
+    with torch.no_grad():                                           # new weights reach the packed copies
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    packed.update_weights(model.state_dict())
+    assert greedy(packed, prompts) == greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
+                                                       EngineConfig(dtype="bfloat16", num_blocks=64)), prompts)

@@ -7,7 +7,9 @@ in oneDNN's blocked layout (no per-call re-layout of the weight):
   GEMM each (``FusedLinear`` on the module's ``fused_qkv`` / ``fused_gate_up``; the outputs
   are split back);
 - every other ``nn.Linear`` becomes a ``PackedLinear``: the same object and ``weight``
-  parameter, plus a non-persistent packed buffer.
+  parameter, plus a non-persistent packed buffer;
+- every MoE ``Experts`` module becomes a ``PackedExperts``: each expert's gate/up and down
+  matrices also kept packed (its inference forward uses them; training keeps the parameters).
 
 State-dict names and ``update_weights`` are unchanged; the parameters stay the source of truth
 and ``repack(model)`` refreshes every packed copy after they change in place. Outputs are
@@ -26,6 +28,7 @@ from torch import nn
 
 from arbor.models.attention import SoftmaxAttention
 from arbor.models.layers import MLP
+from arbor.models.moe import Experts
 
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 BATCH_HINT = 16   # oneDNN picks its blocking for this many rows (a decode batch); any row count works
@@ -81,6 +84,22 @@ class FusedLinear:
         return _linear(x, self.packed, self.bias).split(self.sizes, -1)
 
 
+class PackedExperts(Experts):
+    def repack(self) -> None:
+        self.packed = [(_pack(gu), _pack(d)) for gu, d in zip(self.gate_up_proj.unbind(0), self.down_proj.unbind(0))]
+
+    def grouped(self, xs: list[torch.Tensor]) -> torch.Tensor | None:
+        """``Experts.grouped`` through the packed copies (under autograd: the parameters)."""
+        if torch.is_grad_enabled():
+            return super().grouped(xs)
+        out = []
+        for (gate_up, down), x in zip(self.packed, xs):
+            if x.shape[0]:
+                gate, up = _linear(x, gate_up, None).chunk(2, dim=-1)
+                out.append(_linear(F.silu(gate) * up, down, None))
+        return torch.cat(out) if out else None
+
+
 def _fusable(linears) -> bool:
     return len({m.bias is None for m in linears}) == 1
 
@@ -102,12 +121,16 @@ def pack_linears(model: nn.Module) -> int:
     for m in rest:
         m.__class__ = PackedLinear
         m.repack()
-    return len(rest) + len(fused)
+    experts = [m for m in model.modules() if type(m) is Experts]
+    for m in experts:
+        m.__class__ = PackedExperts
+        m.repack()
+    return len(rest) + len(fused) + sum(2 * m.gate_up_proj.shape[0] for m in experts)
 
 
 def repack(model: nn.Module) -> None:
     for m in model.modules():
-        if isinstance(m, PackedLinear):
+        if isinstance(m, (PackedLinear, PackedExperts)):
             m.repack()
         for f in (getattr(m, "fused_qkv", None), getattr(m, "fused_gate_up", None)):
             if f is not None:
