@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "engine-profile", "ep", "routepack",
-              "cluster", "makespan"]
+              "cluster", "makespan", "ttft"]
 
 
 def add_bench(sub) -> None:

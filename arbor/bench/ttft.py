@@ -1,0 +1,239 @@
+"""TTFT under a device-memory bottleneck: request-level vs layer-wise KV allocation (``arbor bench ttft``).
+
+The trace: ``--requests`` requests arriving as a Poisson process (``--rate`` per second), prompts of
+``--prompt-tokens`` (uniform, e.g. 1k–8k) random tokens, ``--output-tokens`` greedy outputs (EOS
+ignored, so every system computes the same tokens — checked). The model: a tiny dense Qwen3 with
+random weights (``--layers`` layers). The device tier holds ``--device-requests`` × the KV of the
+longest request (all layers): the bottleneck. Three systems replay the same trace in real time:
+
+- ``request-level``: the single-tier engine whose pool is the device tier (a prefill is admitted
+  only when blocks for every layer of its whole context are free);
+- ``layer-wise``: ``EngineConfig.layer_kv`` with the same device tier and a host tier for all;
+- ``layer-wise+slo``: the same with policy ``layerkv`` (SLO-aware admission).
+
+SLOs are multiples of the unloaded latency measured first on the same engine: TTFT SLO =
+``--ttft-slo-x`` × the solo TTFT of the longest prompt, TPOT SLO = ``--tpot-slo-x`` × the solo TPOT.
+Reported per system: TTFT p50/p99, TPOT p99, throughput (output tokens / makespan), TTFT- and
+TPOT-SLO violation rates, mean device-tier occupancy, copy volume and overlap (layer-wise); a PNG of
+device-tier occupancy over time. Targets: layer-wise+slo p99 TTFT ≥ 5× lower than request-level,
+throughput cost ≤ 3 %, fewer SLO violations (requests missing either SLO).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from arbor.bench.common import print_table, print_targets, target, write_result
+
+SYSTEMS = ["request-level", "layer-wise", "layer-wise+slo"]
+
+
+def _span(text: str) -> list[int]:
+    try:
+        a, b = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a range LO-HI of integers, got '{text}'") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"range '{text}' must satisfy 1 <= LO <= HI")
+    return [a, b]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    p.add_argument("--prompt-tokens", type=_span, default=[1024, 8192], metavar="LO-HI")
+    p.add_argument("--output-tokens", type=_span, default=[32, 64], metavar="LO-HI")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--device-requests", type=float, default=1.5,
+                   help="device tier = this many times the KV (all layers) of the longest request")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--ttft-slo-x", type=float, default=5.0, help="TTFT SLO as a multiple of the solo TTFT")
+    p.add_argument("--tpot-slo-x", type=float, default=5.0, help="TPOT SLO as a multiple of the solo TPOT")
+    p.add_argument("--slo-safety", type=float, default=1.2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def check(a) -> None:
+    for name in ("requests", "layers", "hidden", "vocab", "block_size", "max_num_batched_tokens", "threads"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for name in ("rate", "device_requests", "ttft_slo_x", "tpot_slo_x"):
+        if not getattr(a, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
+    if a.device_requests < 1:
+        raise ValueError("--device-requests must be >= 1 (the longest request must fit the device tier)")
+    if a.slo_safety < 1:
+        raise ValueError(f"--slo-safety must be >= 1, got {a.slo_safety}")
+
+
+def build_model(a):
+    from arbor.models import CausalLM, ModelConfig
+    torch.manual_seed(a.seed)
+    cfg = ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                      num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=1,
+                      head_dim=a.hidden // 4, max_position_embeddings=a.prompt_tokens[1] + a.output_tokens[1] + 16)
+    return CausalLM(cfg).to(a.device).eval()
+
+
+def make_trace(a) -> list[dict]:
+    rng = np.random.default_rng(a.seed)
+    t, trace = 0.0, []
+    for _ in range(a.requests):
+        t += rng.exponential(1.0 / a.rate)
+        n = int(rng.integers(a.prompt_tokens[0], a.prompt_tokens[1] + 1))
+        trace.append(dict(arrival=t, prompt=rng.integers(0, a.vocab, n).tolist(),
+                          max_tokens=int(rng.integers(a.output_tokens[0], a.output_tokens[1] + 1))))
+    return trace
+
+
+def engine_config(a, system: str, device_blocks: int, host_blocks: int, slo: dict):
+    from arbor.engine import EngineConfig
+    common = dict(block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
+                  max_model_len=a.prompt_tokens[1] + a.output_tokens[1] + 1, max_num_seqs=64,
+                  enable_prefix_caching=False)
+    if system == "request-level":
+        return EngineConfig(num_blocks=device_blocks // a.layers, **common)
+    extra = dict(policy="layerkv", tpot_slo=slo["tpot"], ttft_slo=slo["ttft"], slo_safety=a.slo_safety) \
+        if system == "layer-wise+slo" else {}
+    return EngineConfig(layer_kv=True, device_kv_blocks=device_blocks, host_kv_blocks=host_blocks, **common, **extra)
+
+
+def occupancy(engine) -> int:
+    """Device-tier layer-blocks held now (request-level: blocks of running sequences × layers;
+    layer-wise: resident blocks + the staging reserve)."""
+    if engine.layer_kv is not None:
+        d = engine.layer_kv.device
+        return d.resident + d.reserve
+    return sum(len(s.block_table) for s in engine.scheduler.running) * len(engine.runner.layer_map)
+
+
+def replay(engine, trace: list[dict]) -> dict:
+    """Feed the trace in real time (a request's arrival is its trace time); step until all finish."""
+    from arbor.engine import SamplingParams
+    t0 = time.perf_counter()
+    pending, ids, occ = list(trace), [], []
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0]["arrival"] <= now:
+            r = pending.pop(0)
+            rid = engine.add_request(r["prompt"], SamplingParams(temperature=0, max_tokens=r["max_tokens"],
+                                                                 ignore_eos=True))
+            for s in engine.requests[rid]:
+                s.arrival = t0 + r["arrival"]
+            ids.append(rid)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - t0)))
+            continue
+        engine.step()
+        occ.append((time.perf_counter() - t0, occupancy(engine)))
+    seqs = [engine.requests[rid][0] for rid in ids]
+    out = dict(tokens=[s.output_ids for s in seqs],
+               ttft=[s.first_token_time - s.arrival for s in seqs],
+               tpot=[(s.finish_time - s.first_token_time) / max(1, s.num_output_tokens - 1) for s in seqs],
+               makespan=max(s.finish_time for s in seqs) - t0, occupancy=occ,
+               output_tokens=sum(s.num_output_tokens for s in seqs))
+    for rid in ids:
+        engine.pop_finished(rid)
+    return out
+
+
+def solo_latency(a, model, device_blocks: int, trace: list[dict]) -> dict:
+    """Unloaded TTFT of the longest prompt and TPOT, on the request-level engine (one request)."""
+    from arbor.engine import LLMEngine, SamplingParams
+    engine = LLMEngine(model, engine_config(a, "request-level", device_blocks, 0, {}))
+    longest = max(trace, key=lambda r: len(r["prompt"]))
+    engine.generate([longest["prompt"][:64]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    c = engine.generate([longest["prompt"]], SamplingParams(temperature=0, max_tokens=a.output_tokens[1],
+                                                            ignore_eos=True))[0]
+    return {"ttft": c.ttft, "tpot": (c.latency - c.ttft) / max(1, len(c.token_ids) - 1)}
+
+
+def summarize(run: dict, slo: dict) -> dict:
+    ttft, tpot = np.array(run["ttft"]), np.array(run["tpot"])
+    miss_ttft, miss_tpot = ttft > slo["ttft"], tpot > slo["tpot"]
+    return {"ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "tpot_p99_s": float(np.percentile(tpot, 99)), "throughput_tok_s": run["output_tokens"] / run["makespan"],
+            "makespan_s": run["makespan"], "ttft_slo_violation_rate": float(miss_ttft.mean()),
+            "tpot_slo_violation_rate": float(miss_tpot.mean()),
+            "slo_violation_rate": float((miss_ttft | miss_tpot).mean())}
+
+
+def main(a) -> None:
+    from arbor.engine import LLMEngine
+    check(a)
+    torch.set_num_threads(a.threads)
+    model = build_model(a)
+    trace = make_trace(a)
+    bs, L = a.block_size, a.layers
+    longest = max(len(r["prompt"]) + r["max_tokens"] for r in trace)
+    device_blocks = int(a.device_requests * -(-longest // bs)) * L
+    host_blocks = sum(-(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in trace) + 1
+    print(f"bench ttft: {a.requests} requests, Poisson {a.rate}/s, prompts {a.prompt_tokens}, outputs "
+          f"{a.output_tokens}; {L} layers; device tier {device_blocks} layer-blocks "
+          f"({a.device_requests} x the longest request), host tier {host_blocks} blocks", flush=True)
+    solo = solo_latency(a, model, device_blocks, trace)
+    slo = {"ttft": a.ttft_slo_x * solo["ttft"], "tpot": a.tpot_slo_x * solo["tpot"]}
+    print(f"  solo: TTFT {solo['ttft']:.3f} s, TPOT {1e3 * solo['tpot']:.1f} ms -> SLOs: TTFT {slo['ttft']:.2f} s, "
+          f"TPOT {1e3 * slo['tpot']:.1f} ms", flush=True)
+    results, runs = {}, {}
+    for system in SYSTEMS:
+        engine = LLMEngine(model, engine_config(a, system, device_blocks, host_blocks, slo))
+        t0 = time.perf_counter()
+        runs[system] = run = replay(engine, trace)
+        res = summarize(run, slo)
+        res["mean_occupancy"] = float(np.mean([o for _, o in run["occupancy"]])) / device_blocks
+        res["preemptions"] = engine.scheduler.num_preemptions
+        if engine.layer_kv is not None:
+            res.update(engine.layer_kv.stats())
+        results[system] = res
+        print(f"  {system}: {time.perf_counter() - t0:.0f} s", flush=True)
+    same = all(runs[s]["tokens"] == runs[SYSTEMS[0]]["tokens"] for s in SYSTEMS)
+    print_table("TTFT under a device-tier bottleneck", ["system", "TTFT p50 s", "TTFT p99 s", "TPOT p99 ms",
+                                                         "tok/s", "TTFT-SLO miss", "TPOT-SLO miss", "occupancy"],
+                [[s, r["ttft_p50_s"], r["ttft_p99_s"], 1e3 * r["tpot_p99_s"], r["throughput_tok_s"],
+                  r["ttft_slo_violation_rate"], r["tpot_slo_violation_rate"], r["mean_occupancy"]]
+                 for s, r in results.items()])
+    req, lkv = results["request-level"], results["layer-wise+slo"]
+    speedup = req["ttft_p99_s"] / lkv["ttft_p99_s"]
+    cost = 1 - lkv["throughput_tok_s"] / req["throughput_tok_s"]
+    targets = [target("p99 TTFT request-level / layer-wise+slo", speedup, ">= 5", speedup >= 5),
+               target("throughput cost of layer-wise+slo", cost, "<= 0.03", cost <= 0.03),
+               target("SLO violation rate layer-wise+slo vs request-level", lkv["slo_violation_rate"],
+                      f"< {req['slo_violation_rate']:.3g}", lkv["slo_violation_rate"] < req["slo_violation_rate"]),
+               target("greedy outputs identical across systems", float(same), "== 1", same)]
+    print_targets(targets)
+    args = {k: v for k, v in vars(a).items() if k not in ("func", "bench", "args", "command")}
+    write_result(a.out, "ttft", {"args": args, "solo": solo, "slo": slo, "device_blocks": device_blocks,
+                                 "host_blocks": host_blocks, "results": results, "targets": targets},
+                 lambda plt: plot(plt, runs, results, device_blocks))
+    if not same:
+        raise RuntimeError("bench ttft: the systems generated different tokens")
+
+
+def plot(plt, runs: dict, results: dict, device_blocks: int):
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for system, run in runs.items():
+        t = [x for x, _ in run["occupancy"]]
+        ax.step(t, [o / device_blocks for _, o in run["occupancy"]], where="post", label=system)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("device-tier occupancy")
+    ax.set_title("device tier held (layer-wise: resident + staging reserve)")
+    ax.legend()
+    for system, run in runs.items():
+        ttft = np.sort(run["ttft"])
+        bx.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post",
+                label=f"{system} (p99 {results[system]['ttft_p99_s']:.2f} s)")
+    bx.set_xscale("log")
+    bx.set_xlabel("TTFT (s)")
+    bx.set_ylabel("fraction of requests")
+    bx.set_title("TTFT CDF")
+    bx.legend()
+    return fig

@@ -1,0 +1,39 @@
+"""``arbor bench ttft`` end to end on a tiny trace (request-level vs layer-wise vs layer-wise + SLO)."""
+
+import json
+
+import pytest
+
+from arbor.cli import main
+
+
+def test_bench_ttft_smoke(tmp_path, capsys):
+    assert main(["bench", "ttft", "--out", str(tmp_path), "--requests", "5", "--rate", "20", "--prompt-tokens",
+                 "64-256", "--output-tokens", "4-8", "--layers", "4", "--hidden", "32", "--vocab", "128",
+                 "--max-num-batched-tokens", "128"]) in (0, None)
+    r = json.loads((tmp_path / "ttft.json").read_text())
+    assert (tmp_path / "ttft.png").exists() and r["benchmark"] == "ttft"
+    assert set(r["results"]) == {"request-level", "layer-wise", "layer-wise+slo"}
+    for name, res in r["results"].items():
+        assert res["ttft_p99_s"] >= res["ttft_p50_s"] > 0 and res["throughput_tok_s"] > 0
+        assert 0 <= res["slo_violation_rate"] <= 1 and 0 < res["mean_occupancy"] <= 1
+    lw = r["results"]["layer-wise"]
+    assert lw["offload_bytes"] > 0 and 0 <= lw["overlap"] <= 1
+    assert all(set(t) == {"name", "value", "target", "met"} for t in r["targets"])
+    assert r["targets"][-1]["met"]                      # greedy outputs identical across the systems
+    assert "targets" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [(["--prompt-tokens", "9-3"], "LO <= HI"),
+                                           (["--requests", "0"], "--requests must be >= 1"),
+                                           (["--device-requests", "0.5"], "--device-requests must be >= 1"),
+                                           (["--slo-safety", "0.9"], "--slo-safety must be >= 1")])
+def test_bench_ttft_refuses_bad_flags(tmp_path, capsys, args, message):
+    try:
+        code = main(["bench", "ttft", "--out", str(tmp_path), *args])
+    except SystemExit as e:           # argparse: a bad value of a typed flag
+        code = e.code
+    except ValueError as e:
+        assert message in str(e)
+        return
+    assert code != 0 and message in capsys.readouterr().err
