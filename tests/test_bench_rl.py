@@ -42,7 +42,7 @@ def test_bench_rl_writes_phases_and_targets(tmp_path, model_dir, one_thread):
 
 
 def test_bench_rl_rejects_bad_flags(tmp_path):
-    for bad in (["--steps", "0"], ["--threads", "-1"], ["--model", str(tmp_path)], ["--workload", "x"]):
+    for bad in (["--steps", "0"], ["--rounds", "0"], ["--threads", "-1"], ["--model", str(tmp_path)], ["--workload", "x"]):
         with pytest.raises(SystemExit) as e:
             main(["bench", "rl", "--out", str(tmp_path), "--trl", "off", *bad])
         assert e.value.code not in (0, None)
@@ -76,3 +76,22 @@ def test_skipped_recompute_trains_exactly_as_the_recompute(model_dir, one_thread
 def test_old_logprobs_is_validated():
     with pytest.raises(ValueError, match="old_logprobs"):
         RLConfig(old_logprobs="never").validate()
+
+
+def test_bench_rl_against_trl(tmp_path, model_dir, one_thread):
+    """Only where trl is installed (not a dependency): the subprocess side runs and the ratio is recorded."""
+    pytest.importorskip("trl")
+    main(["bench", "rl", "--out", str(tmp_path), "--model", str(model_dir), "--workload", "trl", "--steps", "1",
+          "--prompts", "1", "--trl", "on", "--threads", "1"])
+    w = json.loads((tmp_path / "rl.json").read_text())["workloads"]["trl"]
+    assert w["trl"]["step_s"] > 0 and w["ratio"] > 0
+    assert w["trl"]["completion_tokens_per_step"] == 4 * 32
+    [t] = json.loads((tmp_path / "rl.json").read_text())["targets"]
+    assert t["value"] == pytest.approx(w["ratio"]) and t["met"] == (w["ratio"] >= 1.5)
+
+
+def test_rounds_merge_to_medians():
+    from arbor.bench.rl import PHASES, merge_rounds
+    runs = [{"step_s": s, "tokens_per_s": 1 / s, "tokens_per_step": 1, "phases_s": {k: s for k in PHASES}} for s in (1, 3, 2)]
+    m = merge_rounds(runs)
+    assert m["step_s"] == 2 and m["tokens_per_s"] == 1 / 2 and m["phases_s"]["train_s"] == 2 and len(m["rounds"]) == 3

@@ -102,14 +102,25 @@ def run_trl(model_dir, w: Workload, steps: int, threads: int, device: str, out: 
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     r = json.loads(line[len("RESULT "):])
-    step_s = median(r["step_s"])
+    r["history_s"] = r.pop("step_s")
+    step_s = median(r["history_s"])
     trained = w.prompts * w.samples * w.model_tokens
-    return {**r, "step_s_median": step_s, "completion_tokens": completion, "tokens_per_step": trained,
+    return {**r, "step_s": step_s, "completion_tokens": completion, "tokens_per_step": trained,
             "tokens_per_s": trained / step_s, "completion_tokens_per_s": r["completion_tokens_per_step"] / step_s}
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """Several rounds of one system → medians over rounds (step seconds, tokens/s, phases), the rounds kept."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {k: median([r[k] for r in runs]) for k in ("step_s", "tokens_per_s", "tokens_per_step")}
+    if "phases_s" in runs[0]:
+        out["phases_s"] = {k: median([r["phases_s"][k] for r in runs]) for k in PHASES}
+    return {**runs[0], **out, "rounds": runs}
+
+
 def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps=3, threads=0, engine_dtype="float32",
-        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, **overrides) -> dict:
+        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, rounds=1, **overrides) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if threads:
@@ -119,27 +130,32 @@ def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps
     has_trl = trl != "off" and importlib.util.find_spec("trl") is not None
     if trl == "on" and not has_trl:
         raise SystemExit("--trl on: the trl package is not importable (pip install trl)")
-    result = {"config": {"model": str(model_dir), "steps": steps, "threads": threads, "engine_dtype": engine_dtype,
-                         "device": device, "trl": has_trl}, "workloads": {}}
+    result = {"config": {"model": str(model_dir), "steps": steps, "rounds": rounds, "threads": threads,
+                         "engine_dtype": engine_dtype, "device": device, "trl": has_trl}, "workloads": {}}
     rows, targets = [], []
     for name in workloads:
         w = workload(name, prompts)
-        a = run_arbor(model_dir, w, steps, engine_dtype, device, **overrides)
+        arbor_runs, trl_runs = [], []
+        for _ in range(rounds):      # Arbor and TRL alternate, so drifting machine load hits both alike
+            arbor_runs.append(run_arbor(model_dir, w, steps, engine_dtype, device, **overrides))
+            if has_trl:
+                trl_runs.append(run_trl(model_dir, w, steps, threads, device, out, trl_timeout))
+        a = merge_rounds(arbor_runs)
         entry = {"shape": w.__dict__ | {"samples": w.samples}, "arbor": a}
         ph = a["phases_s"]
         rows.append([f"{name}: Arbor"] + [a["step_s"]] + [1e3 * ph[k] for k in PHASES] + [a["tokens_per_s"], ""])
         ratio = None
         if has_trl:
-            t = run_trl(model_dir, w, steps, threads, device, out, trl_timeout)
-            entry["trl"] = t
-            ratio = a["tokens_per_s"] / t["tokens_per_s"]
-            entry["ratio"] = ratio
+            t = merge_rounds(trl_runs)
+            ratio = median([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(arbor_runs, trl_runs)])
+            entry.update(trl=t, ratio=ratio)
             result["config"]["trl_version"] = t["trl"]
-            rows.append([f"{name}: TRL {t['trl']}", t["step_s_median"], "", "", "", "", t["tokens_per_s"], ratio])
+            rows.append([f"{name}: TRL {t['trl']}", t["step_s"], "", "", "", "", t["tokens_per_s"], ratio])
         what = f"{name}: Arbor ÷ TRL trained tokens/s, {threads} threads" + ("" if has_trl else " (trl not installed: not measured)")
         targets.append(target(what, ratio, f">= {WANTED[name]}", ratio is not None and ratio >= WANTED[name]))
         result["workloads"][name] = entry
-    print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}, median of {steps}",
+    print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}, median of {steps} steps"
+                + (f" × {rounds} rounds (ratio: median of the rounds' ratios)" if rounds > 1 else ""),
                 ["system", "s/step", "rollout ms", "recompute ms", "train ms", "sync ms", "trained tok/s", "÷ TRL"], rows)
     result["targets"] = targets
     print_targets(targets)
@@ -154,7 +170,7 @@ def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps
             left = [x + y for x, y in zip(left, vals)]
         trl_names = [n for n in names if "trl" in result["workloads"][n]]
         if trl_names:
-            ax.barh([f"{n}: TRL" for n in trl_names], [result["workloads"][n]["trl"]["step_s_median"] for n in trl_names],
+            ax.barh([f"{n}: TRL" for n in trl_names], [result["workloads"][n]["trl"]["step_s"] for n in trl_names],
                     color="grey", label="TRL step")
         ax.set_xlabel("seconds per RL step (median)")
         ax.legend(fontsize=7)
@@ -169,6 +185,7 @@ def add_arguments(p) -> None:
     p.add_argument("--workload", default="both", choices=["trl", "agentic", "both"])
     p.add_argument("--steps", type=int, default=3, help="timed steps per system (after one warm-up step)")
     p.add_argument("--repeats", type=int, help="alias of --steps")
+    p.add_argument("--rounds", type=int, default=1, help="Arbor/TRL runs alternated per workload (medians over rounds)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--prompts", type=int, help="groups per step (default: 8 for trl, 2 for agentic)")
@@ -179,7 +196,8 @@ def add_arguments(p) -> None:
 
 def main(args) -> None:
     steps = args.repeats if args.repeats is not None else args.steps
-    for flag, v in (("--steps/--repeats", steps), ("--prompts", args.prompts if args.prompts is not None else 1)):
+    for flag, v in (("--steps/--repeats", steps), ("--rounds", args.rounds),
+                    ("--prompts", args.prompts if args.prompts is not None else 1)):
         if v < 1:
             raise SystemExit(f"{flag} must be ≥ 1, got {v}")
     if args.threads < 0:
@@ -189,4 +207,4 @@ def main(args) -> None:
     workloads = ("trl", "agentic") if args.workload == "both" else (args.workload,)
     run(out_dir=args.out, model=args.model, workloads=workloads, steps=steps, threads=args.threads,
         engine_dtype=args.engine_dtype, device=args.device, trl=args.trl, prompts=args.prompts,
-        trl_timeout=args.trl_timeout)
+        trl_timeout=args.trl_timeout, rounds=args.rounds)
