@@ -32,8 +32,9 @@ class Job:
 
 
 class Copier:
-    def __init__(self, device):
+    def __init__(self, device, inline_bytes: int = 0):
         self.device = torch.device(device)
+        self.inline_bytes = inline_bytes
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.bytes = {"offload": 0, "prefetch": 0}
@@ -43,8 +44,17 @@ class Copier:
         self._thread.start()
 
     def submit(self, fn, nbytes: int, kind: str) -> Job:
-        """Queue ``fn()`` (a few tensor copies) on the worker; → its job."""
+        """Queue ``fn()`` (a few tensor copies) on the worker; → its job. On CPU a copy smaller than
+        ``inline_bytes`` runs at once on the calling thread (a hand-off to the worker costs more)."""
         job = Job(fn, nbytes, kind)
+        if not self.cuda and nbytes < self.inline_bytes:
+            t0 = time.perf_counter()
+            fn()
+            self.busy_s += time.perf_counter() - t0
+            self.wait_s += time.perf_counter() - t0
+            self.bytes[kind] += nbytes
+            job.done.set()
+            return job
         if self.cuda:
             job.start_event = torch.cuda.Event()
             job.start_event.record(torch.cuda.current_stream(self.device))
@@ -77,9 +87,15 @@ class Copier:
         total = self.bytes["offload"] + self.bytes["prefetch"]
         return total / self.busy_s if self.busy_s > 0 and total else None
 
+    def close(self) -> None:
+        """Stop the worker once the jobs queued before are done."""
+        self._q.put(None)
+
     def _work(self) -> None:
         while True:
             job = self._q.get()
+            if job is None:
+                return
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():

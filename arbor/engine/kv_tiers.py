@@ -20,7 +20,8 @@ needs only the staging of the new sequence to fit after demoting resident layers
 (``2 · nb ≤ capacity − 2 · Σ nb_running``), where request-level allocation needs ``L · nb``; the
 new sequence then keeps as many layers resident as fit. When a decode's new block does not fit,
 resident layers are demoted (newest sequence, highest layer first; free thanks to write-through)
-before anything is preempted.
+before anything is preempted; when room comes back, ``promote`` (before every forward) brings
+offloaded layers back (one copy instead of a prefetch per step).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class DeviceTier:
         self.seqs: dict[int, Sequence] = {}                           # seq_id → sequence, admission order
         self.staging: list[int] = []                                  # blocks lent to the forward in flight
         self.reserve = 0                                              # 2 · Σ nb over seqs with r < L
-        self.num_demotions = 0
+        self.num_demotions = self.num_promotions = 0
         self.pending_fills: list[tuple[int, int, int, int]] = []      # (seq_id, layer, device, host) to copy
 
     @property
@@ -113,6 +114,27 @@ class DeviceTier:
         self.free += reversed(tables.pop())
         self.pending_fills = [f for f in self.pending_fills if not (f[0] == seq.seq_id and f[1] == len(tables))]
         self.num_demotions += 1
+
+    def promote(self) -> int:
+        """Bring offloaded layers back while the budget allows (oldest sequence first, lowest offloaded
+        layer first): the layer gets device blocks and its computed blocks are queued as fills (copied
+        host → device before the next forward reads them). → layers promoted."""
+        done = 0
+        for s in self.seqs.values():
+            tables, nb = self.tables[s.seq_id], len(s.block_table)
+            while len(tables) < self.num_layers:
+                last = len(tables) == self.num_layers - 1
+                if nb - (2 * nb if last else 0) > self.budget():
+                    break
+                if last:
+                    self.reserve -= 2 * nb
+                tables.append([self.free.pop() for _ in range(nb)])
+                computed = -(-s.num_computed_tokens // self.block_size)
+                self.pending_fills += [(s.seq_id, len(tables) - 1, tables[-1][i], s.block_table[i])
+                                       for i in range(computed)]
+                done += 1
+        self.num_promotions += done
+        return done
 
     def release(self, seq: Sequence) -> None:
         tables = self.tables.pop(seq.seq_id, None)

@@ -11,6 +11,8 @@ with every layer offloaded (its double-buffered staging), so the context is capp
 
 from __future__ import annotations
 
+import weakref
+
 from arbor.engine.kv_copy import Copier
 from arbor.engine.kv_tiers import DeviceTier, TieredBlockManager
 from arbor.engine.layerkv_runner import LayerKVRunner
@@ -18,6 +20,9 @@ from arbor.engine.slo_admission import PrefillTimeModel
 
 
 __all__ = ["LayerKV", "LayerKVRunner", "TieredBlockManager"]
+
+
+INLINE_BYTES = 64 << 10     # CPU copies below this run on the calling thread (a decode step's write-through)
 
 
 class LayerKV:
@@ -31,7 +36,8 @@ class LayerKV:
         self.host_blocks = cfg.host_kv_blocks or cfg.resolve_num_blocks(bytes_per_block)
         self.max_seq_blocks = min(self.host_blocks, capacity // 2)
         self.device = DeviceTier(capacity, self.num_layers, cfg.block_size)
-        self.copier = Copier(device)
+        self.copier = Copier(device, INLINE_BYTES)
+        weakref.finalize(self, self.copier.close)        # the worker ends with the engine
         self.timing = PrefillTimeModel()
         self.tpot_slo, self.ttft_slo, self.slo_safety = cfg.tpot_slo, cfg.ttft_slo, cfg.slo_safety
         self.block_size = cfg.block_size
@@ -44,5 +50,6 @@ class LayerKV:
     def stats(self) -> dict:
         d = self.device
         return {"device_blocks": d.capacity, "host_blocks": self.host_blocks, "device_used": d.used,
-                "device_resident": d.resident, "demotions": d.num_demotions, "deferrals": self.num_deferrals,
+                "device_resident": d.resident, "demotions": d.num_demotions,
+                "promotions": d.num_promotions, "deferrals": self.num_deferrals,
                 **self.copier.stats()}

@@ -51,6 +51,7 @@ class TieredAttention:
         for s, c, n in zip(seqs, starts, lengths):
             host_slots += [s.block_table[p // bs] * bs + p % bs for p in range(c, c + n)]
         self.host_slots = torch.tensor(host_slots, dtype=torch.long)
+        dev.promote()
         resident = [dev.resident_layers(s) for s in seqs]
         span = [-(-(c + n) // bs) for c, n in zip(starts, lengths)]
         stage = [[dev.take_staging(w) if any(a % 2 == buf for a in range(r, L)) else None
