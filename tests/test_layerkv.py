@@ -190,13 +190,14 @@ def test_admission_refuses_a_prefill_longer_than_the_smallest_slack():
 
 
 def test_slo_policy_defers_prefills_and_keeps_outputs(case):
-    """With decodes running and a TPOT SLO nobody can keep, later prefills wait until the decodes
-    finish; outputs stay those of the single-tier engine."""
+    """With decodes running that can keep their TPOT SLO and a safety factor that makes every prefill
+    too long for their slack, later prefills wait until the decodes finish; outputs stay those of the
+    single-tier engine."""
     kind, model, ps, params, _ = case
     ref = [o.token_ids for o in LLMEngine(model, EngineConfig(block_size=8, max_num_batched_tokens=16)).generate(
         ps, params)]
     engine = LLMEngine(model, EngineConfig(block_size=8, layer_kv=True, device_kv_blocks=48, policy="layerkv",
-                                           max_num_batched_tokens=16, tpot_slo=1e-4))
+                                           max_num_batched_tokens=16, tpot_slo=1.0, slo_safety=1e6))
     first = [engine.add_request(p, params) for p in ps[:2]]
     while not (engine.layer_kv.timing.ready and all(s.num_output_tokens for s in engine.scheduler.running)):
         engine.step()
