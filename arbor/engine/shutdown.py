@@ -4,8 +4,9 @@ First SIGTERM or SIGINT: the listening socket closes, new requests on open conne
 (``app.state.draining``), requests in flight keep generating for ``grace`` seconds and are then
 aborted — a stream ends with ``finish_reason: "abort"`` and ``[DONE]``, a plain request returns
 what it has — and the process exits once every response has ended (uvicorn cancels any handler
-left ``grace + 2`` s after the signal, which aborts its request too). A second signal aborts every
-request at once and exits without waiting.
+left ``grace + 10`` s after the signal, time enough for the abort to reach a busy engine thread,
+which aborts its request too). A second signal aborts every request at once and exits without
+waiting.
 """
 
 from __future__ import annotations
@@ -46,5 +47,5 @@ class GracefulServer(uvicorn.Server):
 
 def run_server(app, engine, host: str, port: int, grace: float, log_level: str = "info") -> None:
     """Serve ``app`` (over ``engine``, a ``ThreadedAsyncLLMEngine``) until a signal ends it, as above."""
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace + 2, log_level=log_level)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace + 10, log_level=log_level)
     GracefulServer(config, app, engine, grace).run()
