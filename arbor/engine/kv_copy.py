@@ -40,8 +40,8 @@ class Copier:
         self.bytes = {"offload": 0, "prefetch": 0}
         self.busy_s = self.wait_s = 0.0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name="kv-copy", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._work, name="kv-copy", daemon=True)
+        self.thread.start()
 
     def submit(self, fn, nbytes: int, kind: str) -> Job:
         """Queue ``fn()`` (a few tensor copies) on the worker; → its job. On CPU a copy smaller than

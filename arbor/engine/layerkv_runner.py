@@ -19,6 +19,7 @@ the numbers are the single-tier engine's.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -91,9 +92,10 @@ class TieredAttention:
         dev = self.runner.device
 
         def copy():
-            for h, d in ((host.k[a], pool.k[a]), (host.v[a], pool.v[a])):
+            for j, (h, d) in enumerate(((host.k[a], pool.k[a]), (host.v[a], pool.v[a]))):
                 shape = (-1, bs, *h.shape[1:])
-                d.view(shape).index_copy_(0, dst, h.view(shape).index_select(0, src).to(dev, non_blocking=True))
+                picked = torch.index_select(h.view(shape), 0, src, out=self.runner.scratch(j, len(src)))
+                d.view(shape).index_copy_(0, dst, picked.to(dev, non_blocking=True))
 
         return self.copier.submit(copy, len(src) * self.block_bytes, "prefetch")
 
@@ -135,6 +137,22 @@ class LayerKVRunner(ModelRunner):
         self.pool = device_pool(len(self.layer_map), tiers.device.capacity, self.block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, self.model.dtype, self.device)
         self._attn: TieredAttention | None = None
+        self._scratch: list[torch.Tensor | None] = [None, None]
+        self._pinned = torch.device(self.device).type == "cuda"
+
+    def scratch(self, j: int, num_blocks: int) -> torch.Tensor:
+        """A reused host buffer [num_blocks, block_size, Hkv, D] for k (j = 0) or v (j = 1) of one
+        prefetch: fresh multi-MB buffers cost more in page faults than the copy. On the copy worker
+        it is the worker's own (jobs run one at a time); elsewhere (an inline copy) a new one."""
+        shape = (num_blocks, self.block_size, *self.kv.k.shape[2:])
+        if threading.current_thread() is not self.tiers.copier.thread:
+            return torch.empty(shape, dtype=self.kv.k.dtype, pin_memory=self._pinned)
+        buf = self._scratch[j]
+        if buf is None or buf.shape[0] < num_blocks:
+            buf = torch.empty((max(num_blocks, 2 * (0 if buf is None else buf.shape[0])), *shape[1:]),
+                              dtype=self.kv.k.dtype, pin_memory=self._pinned)
+            self._scratch[j] = buf
+        return buf[:num_blocks]
 
     def make_cache(self, num_blocks: int) -> KVCache:
         cfg = self.model.config

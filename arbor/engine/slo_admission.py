@@ -12,9 +12,9 @@ admitted when ``α · T(n) ≤ min_i slack_i`` over the decodes that can still k
 (slack_i ≥ 0: one already past it is not protected by holding everyone else back) (T: the per-token prefill model fitted online, α: the
 safety factor ``slo_safety``) and the bytes it puts through the copy engine (the write-through of
 all its layers) are copyable within ``T(n)`` at the measured copy bandwidth. Without running
-decodes, or before the model has two measured prefills, a prefill is admitted. A request that has
-waited ``ttft_slo`` seconds is admitted regardless (it has missed its TTFT SLO; waiting longer only
-makes it later), so no request starves.
+decodes, or before the model has two measured prefills, a prefill is admitted. A request whose
+wait plus ``α · T(n)`` reaches ``ttft_slo`` is admitted regardless: waiting longer would cost it its
+TTFT SLO (or it has missed it already, and waiting only makes it later), so no request starves.
 """
 
 from __future__ import annotations
@@ -80,11 +80,12 @@ class LayerKVPolicy:
         model, tpot_slo = tiers.timing, tiers.tpot_slo
         now = time.perf_counter() if now is None else now
         decodes = [r for r in s.running if r.num_pending_tokens == 1 and r.first_token_time is not None]
-        late = tiers.ttft_slo is not None and now - seq.arrival >= tiers.ttft_slo
-        if late or not decodes or not model.ready:
+        if not decodes or not model.ready:
             return True
         step = model.decode_step(len(decodes))
         predicted = model.prefill(len(seq))
+        if tiers.ttft_slo is not None and now - seq.arrival + tiers.slo_safety * predicted >= tiers.ttft_slo:
+            return True     # its last chance to meet the TTFT SLO (or already past it)
         slacks = [x for x in (slack(r, tpot_slo, step, now) for r in decodes) if x >= 0]
         ok = not slacks or tiers.slo_safety * predicted <= min(slacks)
         bandwidth = tiers.copier.bandwidth()
