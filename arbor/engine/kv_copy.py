@@ -113,5 +113,6 @@ class Copier:
                 job.fn()
                 job.end_event = torch.cuda.Event()
                 job.end_event.record(self.stream)
+                job.end_event.synchronize()     # the job's host buffers may be reused by the next job
         else:
             job.fn()
