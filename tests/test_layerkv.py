@@ -223,3 +223,42 @@ def test_slo_policy_defers_prefills_and_keeps_outputs(case):
 def test_bad_knobs_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kw)
+
+
+def test_tier_accounting_by_hand():
+    """Device tier of 20 layer-blocks, 4 layers, blocks of 4 tokens, 9-token prompts (3 blocks each).
+    a keeps all 4 layers (12 blocks, no staging); b gets 0 layers (its 6 staging blocks fit the 8
+    left); c's staging needs a demoted entirely (reserve 18); d cannot come in (2 · 12 > 20);
+    when a leaves, b is promoted to 2 layers and its computed blocks are queued as fills."""
+    from types import SimpleNamespace
+
+    from arbor.engine.kv_tiers import DeviceTier, TieredBlockManager
+    tier = DeviceTier(20, 4, 4)
+    bm = TieredBlockManager(16, 4, tiers=SimpleNamespace(device=tier))
+
+    def seq(first):
+        return Sequence("r", 0, list(range(first, first + 9)), SamplingParams(), frozenset(), 4)
+
+    def owned():
+        return [x for t in tier.tables.values() for layer in t for x in layer]
+
+    a, b, c, d = seq(0), seq(20), seq(40), seq(60)
+    bm.allocate(a)
+    assert (tier.resident_layers(a), tier.resident, tier.reserve, tier.budget()) == (4, 12, 0, 8)
+    bm.allocate(b)
+    assert (tier.resident_layers(b), tier.reserve, tier.budget()) == (0, 6, 2)
+    assert bm.can_allocate(c)
+    bm.allocate(c)
+    assert (tier.resident_layers(a), tier.resident_layers(c), tier.reserve, tier.num_demotions) == (0, 0, 18, 4)
+    tier.check()
+    assert not set(owned()) & set(tier.free) and len(owned()) + len(tier.free) == 20
+    assert not bm.can_allocate(d)
+    b.num_computed_tokens = 9
+    bm.deallocate(a)
+    assert tier.reserve == 12 and tier.promote() == 2 and tier.resident_layers(b) == 2
+    assert sorted((f[1], f[3]) for f in tier.pending_fills) == sorted((layer, h) for layer in (0, 1) for h in b.block_table)
+    tier.check()
+    for s_ in (b, c):
+        bm.deallocate(s_)
+    tier.check()
+    assert tier.used == 0 and tier.reserve == 0 and not tier.pending_fills and not owned()
