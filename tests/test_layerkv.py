@@ -28,7 +28,7 @@ def case(request, tmp_path_factory):
     hf_model(request.param).save_pretrained(folder)
     model = load_model(folder)
     ps = prompts(model.config.vocab_size)
-    if request.param == "qwen3_next":   # its long prompts sit on near-ties that batch shapes flip (as in test_engine_greedy)
+    if request.param == "qwen3_next":   # its long prompts sit on near-ties that batch shapes flip
         ps = ps[:4] + ps[6:]
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     ref = [o.token_ids for o in LLMEngine(model, EngineConfig(block_size=8)).generate(ps, params)]
@@ -137,11 +137,12 @@ def test_decode_reads_the_kv_written_at_prefill():
             runner.tiers.copier.wait(job)
             table = attn.layers[a].decode_kernel[0][0].tolist() if attn.layers[a].decode_kernel is not None \
                 else attn.layers[a].decodes[0].blocks.tolist()
-            staged = runner.pool.k[a].view(-1, bs, *runner.pool.k.shape[2:])[table[:n]].reshape(-1, *runner.pool.k.shape[2:])
-            want = single.runner.kv.k[a].view(-1, bs, *runner.pool.k.shape[2:])[s1.block_table[:n]]
-            want = want.reshape(-1, *runner.pool.k.shape[2:])
-            c = s2.num_computed_tokens
-            assert torch.equal(staged[:c], want[:c]), f"layer {a}"
+            head, c = runner.pool.k.shape[2:], s2.num_computed_tokens
+            for kind in ("k", "v"):
+                pool, ref = getattr(runner.pool, kind)[a], getattr(single.runner.kv, kind)[a]
+                staged = pool.view(-1, bs, *head)[table[:n]].reshape(-1, *head)
+                want = ref.view(-1, bs, *head)[s1.block_table[:n]].reshape(-1, *head)
+                assert torch.equal(staged[:c], want[:c]), f"layer {a} {kind}"
     finally:
         attn.finish()
     tiered.block_manager.device.check()
@@ -256,7 +257,8 @@ def test_tier_accounting_by_hand():
     b.num_computed_tokens = 9
     bm.deallocate(a)
     assert tier.reserve == 12 and tier.promote() == 2 and tier.resident_layers(b) == 2
-    assert sorted((f[1], f[3]) for f in tier.pending_fills) == sorted((layer, h) for layer in (0, 1) for h in b.block_table)
+    fills = sorted((f[1], f[3]) for f in tier.pending_fills)
+    assert fills == sorted((layer, h) for layer in (0, 1) for h in b.block_table)
     tier.check()
     for s_ in (b, c):
         bm.deallocate(s_)

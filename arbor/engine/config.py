@@ -112,7 +112,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise ValueError(f"EngineConfig.{name} must be a number of seconds > 0 (or None), got {value!r}")
-        if isinstance(self.slo_safety, bool) or not isinstance(self.slo_safety, (int, float)) or not self.slo_safety >= 1:
+        safety = self.slo_safety
+        if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not safety >= 1:
             raise ValueError(f"EngineConfig.slo_safety must be a number >= 1, got {self.slo_safety!r}")
         if self.policy == "layerkv":
             if not self.layer_kv:

@@ -4,9 +4,9 @@ prefill-time model and the SLO knobs.
 
 Sizes: the device tier holds ``device_kv_blocks`` layer-blocks (default: the engine's usual pool,
 ``resolve_num_blocks`` blocks of every attention layer — the same bytes); the host tier holds
-``host_kv_blocks`` blocks of every layer (default: ``resolve_num_blocks``, the single-tier pool). One sequence must fit the device tier
-with every layer offloaded (its double-buffered staging), so the context is capped at
-``capacity // 2`` blocks.
+``host_kv_blocks`` blocks of every layer (default: ``resolve_num_blocks``, the single-tier pool).
+One sequence must fit the device tier with every layer offloaded (its double-buffered staging), so
+the context is capped at ``capacity // 2`` blocks.
 """
 
 from __future__ import annotations

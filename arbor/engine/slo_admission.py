@@ -9,8 +9,8 @@ e_i seconds since its first token, t_d the predicted decode-step time):
 
 (time it can still lose with its mean TPOT within the SLO). A waiting prefill of n tokens is
 admitted when ``α · T(n) ≤ min_i slack_i`` over the decodes that can still keep their SLO
-(slack_i ≥ 0: one already past it is not protected by holding everyone else back) (T: the per-token prefill model fitted online, α: the
-safety factor ``slo_safety``) and the bytes it puts through the copy engine (the write-through of
+(slack_i ≥ 0: one already past it is not protected by holding everyone else back; T: the per-token
+prefill model fitted online, α: the safety factor ``slo_safety``) and the bytes it puts through the copy engine (the write-through of
 all its layers) are copyable within ``T(n)`` at the measured copy bandwidth. Without running
 decodes, or before the model has two measured prefills, a prefill is admitted. A request whose
 wait plus ``α · T(n)`` reaches ``ttft_slo`` is admitted regardless: waiting longer would cost it its
