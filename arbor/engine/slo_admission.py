@@ -8,9 +8,8 @@ e_i seconds since its first token, t_d the predicted decode-step time):
     slack_i = tpot_slo · (g_i + r_i) − e_i − r_i · t_d
 
 (time it can still lose with its mean TPOT within the SLO). A waiting prefill of n tokens is
-admitted when ``α · T(n) ≤ min_i slack_i`` over the decodes that can still keep their SLO
-(slack_i ≥ 0: one already past it is not protected by holding everyone else back; T: the per-token
-prefill model fitted online, α: the safety factor ``slo_safety``) and the bytes it puts through the copy engine (the write-through of
+admitted when ``α · T(n) ≤ min_i slack_i`` (T: the per-token prefill model fitted online, α: the
+safety factor ``slo_safety``) and the bytes it puts through the copy engine (the write-through of
 all its layers) are copyable within ``T(n)`` at the measured copy bandwidth. Without running
 decodes, or before the model has two measured prefills, a prefill is admitted. A request whose
 wait plus ``α · T(n)`` reaches ``ttft_slo`` is admitted regardless: waiting longer would cost it its
@@ -86,8 +85,7 @@ class LayerKVPolicy:
         predicted = model.prefill(len(seq))
         if tiers.ttft_slo is not None and now - seq.arrival + tiers.slo_safety * predicted >= tiers.ttft_slo:
             return True     # its last chance to meet the TTFT SLO (or already past it)
-        slacks = [x for x in (slack(r, tpot_slo, step, now) for r in decodes) if x >= 0]
-        ok = not slacks or tiers.slo_safety * predicted <= min(slacks)
+        ok = tiers.slo_safety * predicted <= min(slack(r, tpot_slo, step, now) for r in decodes)
         bandwidth = tiers.copier.bandwidth()
         if ok and bandwidth:
             ok = tiers.write_through_bytes(len(seq)) / bandwidth <= predicted
