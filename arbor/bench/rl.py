@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -97,7 +98,7 @@ def run_trl(model_dir, w: Workload, steps: int, threads: int, device: str, out: 
            "--batch-prompts", str(w.prompts), "--generations", str(w.samples), "--completion", str(completion),
            "--steps", str(steps), "--threads", str(threads), "--device", device]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": str(threads), "TRL_EXPERIMENTAL_SILENCE": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": str(threads), "TRL_EXPERIMENTAL_SILENCE": "1"})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
