@@ -62,11 +62,11 @@ def local_run(words: list[str]) -> dict:
         torch.set_num_threads(threads)
 
 
-def ray_run(words: list[str], engines: int, sync: str) -> dict:
+def ray_run(words: list[str], engines: int, sync: str, stream_interval_ms: float = 50.0) -> dict:
     from arbor.cluster.config import load_train_config
     from arbor.cluster.run import ClusterRun
     cfg = load_train_config(None, ["cluster=ray", f"cluster.engines={engines}", "cluster.trainers=1",
-                                   f"cluster.weight_sync={sync}", *words])
+                                   f"cluster.weight_sync={sync}", f"cluster.stream_interval_ms={stream_interval_ms}", *words])
     run = ClusterRun(cfg)
     try:
         t0 = time.perf_counter()
@@ -113,7 +113,8 @@ def sync_times(model_dir: Path, repeats: int) -> dict:
         ray.util.remove_placement_group(pg)
 
 
-def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512, sync_layers=8, sync_repeats=5, work=None):
+def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512, sync_layers=8, sync_repeats=5, work=None,
+        stream_interval_ms=50.0):
     import torch
 
     from arbor.bench.rl_setup import tiny_model
@@ -140,7 +141,7 @@ def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512,
     try:
         for engines, sync in ((1, "store"), (2, "store"), (2, "broadcast")):
             name = f"ray, {engines} replica{'s' if engines > 1 else ''}" + (", broadcast" if sync == "broadcast" else "")
-            systems[name] = ray_run(words(name.replace(" ", "_").replace(",", "")), engines, sync)
+            systems[name] = ray_run(words(name.replace(" ", "_").replace(",", "")), engines, sync, stream_interval_ms)
         sync = sync_times(work / "big", sync_repeats)
     finally:
         ray_env.stop(started)
@@ -153,7 +154,8 @@ def run(out_dir="bench_results", steps=4, max_new=48, groups=8, sync_hidden=512,
     one, two = systems["ray, 1 replica"], systems["ray, 2 replicas"]
     default = ClusterConfig().weight_sync
     other = "broadcast" if default == "store" else "store"
-    result = {"config": {"steps": steps, "max_new": max_new, "groups": groups, "samples": 4, "sync_bytes": sync["bytes"]},
+    result = {"config": {"steps": steps, "max_new": max_new, "groups": groups, "samples": 4, "sync_bytes": sync["bytes"],
+                         "stream_interval_ms": stream_interval_ms},
               "systems": systems, "sync": sync, "default_sync": default,
               "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
               "rollout_speedup_2_vs_1": two["tokens_per_s"] / one["tokens_per_s"],
@@ -186,10 +188,13 @@ def add_arguments(p) -> None:
     p.add_argument("--sync-layers", type=int, default=8)
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--work", help="folder for the models, runs and Ray's files (default: a new temp folder)")
+    p.add_argument("--stream-interval-ms", type=float, default=50.0,
+                   help="cluster.stream_interval_ms of the Ray runs (least time between two chunks of a token stream)")
 
 
 def main(args) -> None:
     if args.device != "cpu":
         raise ValueError("arbor bench cluster runs on CPU (its replicas are Ray actors with CPU bundles)")
     run(out_dir=args.out, steps=args.steps, max_new=args.max_new, groups=args.groups, sync_hidden=args.sync_hidden,
-        sync_layers=args.sync_layers, sync_repeats=args.sync_repeats, work=args.work)
+        sync_layers=args.sync_layers, sync_repeats=args.sync_repeats, work=args.work,
+        stream_interval_ms=args.stream_interval_ms)
