@@ -234,10 +234,17 @@ def add_serve(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--policy", default="mixed", choices=["mixed", "prefill-first", "pd-multiplex", "pd-global-enqueue"],
-                   help="scheduling policy (arbor.engine.scheduler); pd-*: prefill/decode multiplexing")
+    p.add_argument("--policy", default="mixed",
+                   choices=["mixed", "prefill-first", "pd-multiplex", "pd-global-enqueue", "layerkv"],
+                   help="scheduling policy (arbor.engine.scheduler); pd-*: prefill/decode multiplexing; "
+                        "layerkv: mixed + SLO-aware admission (needs --layer-kv)")
     p.add_argument("--pd-segment-layers", type=int, default=1,
                    help="pd-multiplex: layers per prefill segment (a decode step may run at each boundary)")
+    p.add_argument("--layer-kv", action="store_true", help="layer-wise KV over a device and a host tier (LayerKV)")
+    p.add_argument("--device-kv-blocks", type=int, help="--layer-kv: device-tier size in layer-blocks")
+    p.add_argument("--host-kv-blocks", type=int, help="--layer-kv: host-tier size in blocks")
+    p.add_argument("--tpot-slo", type=float, help="layerkv policy: time-per-output-token SLO, seconds")
+    p.add_argument("--ttft-slo", type=float, help="layerkv policy: time-to-first-token SLO, seconds")
     p.add_argument("--served-model-name", help="default: the folder name")
     p.add_argument("--ranks", type=int, default=1,
                    help="serve from N local ranks (data-parallel attention; experts split when MoE)")
@@ -284,7 +291,9 @@ def add_serve(sub) -> None:
         if a.ranks > 1 and world != a.ranks:
             raise ValueError(f"--ranks {a.ranks} but this process is one of WORLD_SIZE={world} ranks")
         cfg = EngineConfig(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                           max_num_seqs=a.max_num_seqs, policy=a.policy, pd_segment_layers=a.pd_segment_layers)
+                           max_num_seqs=a.max_num_seqs, policy=a.policy, pd_segment_layers=a.pd_segment_layers,
+                           layer_kv=a.layer_kv, device_kv_blocks=a.device_kv_blocks, host_kv_blocks=a.host_kv_blocks,
+                           tpot_slo=a.tpot_slo, ttft_slo=a.ttft_slo)
         if world > 1:                                              # a rank (arbor launch, torchrun, --ranks)
             from arbor.engine.rank_front import serve_ranks
             return serve_ranks(a.model, a.host, a.port, cfg, a.served_model_name, server_config(a))

@@ -29,3 +29,12 @@ def test_generate_prints_the_engine_completion(tmp_path, capsys):
 def test_serve_parser():
     args = build_parser().parse_args(["serve", "some/folder", "--port", "9001", "--policy", "prefill-first"])
     assert args.port == 9001 and args.policy == "prefill-first" and args.model == "some/folder"
+
+
+def test_serve_takes_the_layerkv_knobs_and_checks_them(capsys):
+    from arbor.cli import main
+    args = build_parser().parse_args(["serve", "m", "--layer-kv", "--device-kv-blocks", "64", "--policy", "layerkv",
+                                      "--tpot-slo", "0.05", "--ttft-slo", "2"])
+    assert args.layer_kv and args.device_kv_blocks == 64 and args.tpot_slo == 0.05 and args.ttft_slo == 2.0
+    assert main(["serve", "no/such/folder", "--policy", "layerkv", "--tpot-slo", "0.05"]) not in (0, None)
+    assert "needs layer_kv=True" in capsys.readouterr().err
