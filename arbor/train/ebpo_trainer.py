@@ -31,7 +31,7 @@ from arbor.train.advantages import group_advantages
 from arbor.train.ebpo import draw_noise, ebpo_loss, unit_logprobs
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import make_optimizer, optimizer_step
-from arbor.train.run_log import RunLog
+from arbor.train.rl import train_loop
 
 STATS = ("clip_low", "clip_high", "dual_clip_frac", "approx_kl")
 
@@ -145,29 +145,13 @@ class EBPOTrainer:
         random.setstate(s["python_rng"])
         return True
 
+    async def eval_row(self) -> dict:
+        """Held-out accuracy and tokens per forward, every ``eval_every`` steps of ``train_loop``."""
+        return {"test_accuracy": await self.evaluate(), "test_tpf": self.last_eval["tpf"]}
+
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
-        """Train to ``cfg.steps`` (resuming from ``out/checkpoint``), as ``RLTrainer.run``."""
-        out = Path(self.cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt = out / "checkpoint"
-        if self.cfg.resume:
-            self.load(ckpt)
-        run_log = RunLog(out, self.cfg, self.cfg.steps, self.cfg.log, self.ctx.is_main, "ebpo").start(self.step)
-        done = 0
-        while self.step < self.cfg.steps and (stop_after is None or done < stop_after):
-            row = self.train_step()
-            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
-                row["test_accuracy"] = await self.evaluate()
-                row["test_tpf"] = self.last_eval["tpf"]
-            row = run_log.log(row)
-            self.history.append(row)
-            if on_row:
-                on_row(row)
-            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-                self.save(ckpt)
-            done += 1
-        run_log.close()
-        return self.history
+        """Train to ``cfg.steps`` with the RL loop (``arbor.train.rl.train_loop``)."""
+        return await train_loop(self, "ebpo", on_row, stop_after)
 
 
 def build_ebpo_trainer(cfg) -> EBPOTrainer:

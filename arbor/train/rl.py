@@ -23,6 +23,7 @@ each rank's state and resumes only at the same world size.
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 import time
 from dataclasses import dataclass, field
@@ -397,27 +398,41 @@ class RLTrainer:
         self.engine.update_weights(self.model.state_dict())
         return True
 
+    async def eval_row(self) -> dict:
+        """The held-out metrics ``train_loop`` adds to a row every ``eval_every`` steps."""
+        return {"test_accuracy": await self.evaluate()}
+
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
-        """Train to ``cfg.steps`` (resuming from ``out/checkpoint``); ``stop_after`` ends early
-        after that many steps of this call (used to simulate a crash in tests)."""
-        out = Path(self.cfg.out)
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt = out / "checkpoint"
-        if self.cfg.resume:
-            self.load(ckpt)
-        run_log = RunLog(out, self.cfg, self.cfg.steps, self.cfg.log, self.ctx.is_main, "rl").start(self.step)
-        done = 0
-        while self.step < self.cfg.steps and (stop_after is None or done < stop_after):
-            row = await self.train_step()
-            if self.cfg.eval_every and self.step % self.cfg.eval_every == 0:
-                row["test_accuracy"] = await self.evaluate()
-            row = run_log.log(row)
-            self.history.append(row)
-            if on_row and self.ctx.is_main:
-                on_row(row)
-            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-                self.save(ckpt)
-            done += 1
-        run_log.close()
-        return self.history
+        """Train to ``cfg.steps`` (``train_loop``)."""
+        return await train_loop(self, "rl", on_row, stop_after)
+
+
+async def train_loop(trainer, name: str, on_row=None, stop_after: int | None = None) -> list[dict]:
+    """The RL loop of ``RLTrainer`` and ``EBPOTrainer``: resume from ``out/checkpoint``, then per step
+    ``train_step()`` (awaited when it is a coroutine), ``eval_row()`` every ``eval_every`` steps, one
+    ``RunLog`` row (``on_row`` on the main rank), a checkpoint every ``checkpoint_every`` steps.
+    ``stop_after`` ends early after that many steps of this call (tests simulate a crash with it)."""
+    cfg = trainer.cfg
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "checkpoint"
+    if cfg.resume:
+        trainer.load(ckpt)
+    run_log = RunLog(out, cfg, cfg.steps, cfg.log, trainer.ctx.is_main, name).start(trainer.step)
+    done = 0
+    while trainer.step < cfg.steps and (stop_after is None or done < stop_after):
+        row = trainer.train_step()
+        if inspect.isawaitable(row):
+            row = await row
+        if cfg.eval_every and trainer.step % cfg.eval_every == 0:
+            row.update(await trainer.eval_row())
+        row = run_log.log(row)
+        trainer.history.append(row)
+        if on_row and trainer.ctx.is_main:
+            on_row(row)
+        if cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0:
+            trainer.save(ckpt)
+        done += 1
+    run_log.close()
+    return trainer.history
 
