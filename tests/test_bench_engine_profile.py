@@ -1,6 +1,6 @@
-"""``arbor bench engine-profile`` on a few requests: phases add up to the wall time, operators listed."""
-import json
+"""``arbor bench engine-profile`` on a few requests: timed phases that do not overlap, operators listed."""
 
+import json
 
 from arbor.cli import main
 
