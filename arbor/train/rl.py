@@ -22,10 +22,13 @@ each rank's state and resumes only at the same world size.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import inspect
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +68,17 @@ class C3POConfig:
 
 
 @dataclass
+class RLRolloutConfig(RolloutConfig):
+    """The collector's keys plus how an RL run schedules its rollouts against training."""
+    overlap: bool = False        # roll out step t+1 while step t trains (one-step off-policy; see RLTrainer)
+    overlap_threads: int = 0     # torch threads of the rollout thread while overlapped (0: half, ≥ 1); the trainer gets the rest
+
+    def validate(self) -> None:
+        super().validate()
+        check(self, (self.overlap_threads >= 0, "overlap_threads", "must be ≥ 0"))
+
+
+@dataclass
 class RLConfig:
     model: str = "runs/demo/sft"
     out: str = "runs/rl"
@@ -90,7 +104,7 @@ class RLConfig:
     recompute: bool = False      # activation recomputation (gradient checkpointing per layer)
     old_logprobs: str = "auto"   # auto: θ_old's log-probs from the training forward when exact (see RLTrainer.skips_recompute) | recompute
     tree: TreeConfig = field(default_factory=TreeConfig)   # each group as one prefix tree (HARTS); token_cap per micro-batch
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RLRolloutConfig = field(default_factory=RLRolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
     c3po: C3POConfig = field(default_factory=C3POConfig)
@@ -99,7 +113,14 @@ class RLConfig:
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
     dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.train.ebpo_trainer)
 
+    def __post_init__(self):
+        if not isinstance(self.rollout, RLRolloutConfig):      # a plain RolloutConfig: overlap off
+            self.rollout = RLRolloutConfig(**vars(self.rollout))
+
     def validate(self) -> None:
+        if self.rollout.overlap and self.loss.correction == "none":
+            raise ValueError("rollout.overlap=true needs loss.correction tis or icepop (the behaviour policy lags "
+                             "the trained one by a version), got loss.correction='none'")
         check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.groups_per_step >= 1, "groups_per_step", "must be ≥ 1"),
               (self.advantage in ("grpo", "rloo"), "advantage", "must be grpo or rloo"),
               (self.ppo_epochs >= 1, "ppo_epochs", "must be ≥ 1"), (self.mini_batches >= 1, "mini_batches", "must be ≥ 1"),
@@ -122,8 +143,15 @@ def flat(trajs, key) -> list:
 
 class RLTrainer:
     def __init__(self, cfg: RLConfig, model, tokenizer, engine, sampling_factory, task, ctx=None):
-        self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
         self.ctx = ctx or DistContext.single()
+        self.overlap = cfg.rollout.overlap
+        if self.overlap:
+            if self.ctx.distributed:
+                raise ValueError("rollout.overlap=true runs on one rank; under `arbor launch` set rollout.overlap=false")
+            model = copy.deepcopy(model)   # the engine keeps serving θ_t while this copy trains to θ_t+1
+        self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
+        self.prefetched = None             # overlap: the next step's (trees, pool, stats), rolled out at θ_t
+        self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="arbor-rollout") if self.overlap else None
         self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory)
         self.sampling_factory = sampling_factory
         set_recompute(model, cfg.recompute)
@@ -149,20 +177,31 @@ class RLTrainer:
         self.next_group += 1
         return self.task.make_env(p), p, (self.next_group - 1) * W + r
 
-    async def collect(self):
+    async def collect(self, iteration: int | None = None):
+        """→ (finished trees, episodes carried over, stats) of iteration ``iteration`` (default: this step)."""
         async with self.engine.session():        # collective on a lockstep (expert-parallel) engine
-            return await self._collect()
+            return await self._collect(self.step if iteration is None else iteration)
 
-    async def _collect(self):
+    async def _collect(self, iteration: int):
         c = self.cfg.c3po
         if c.enabled:
-            return await self.collector.run_iteration(self.pool, self.step, c.token_budget, self.new_group,
+            return await self.collector.run_iteration(self.pool, iteration, c.token_budget, self.new_group,
                                                       c.capacity, c.max_age)
         pool = []
         for _ in range(self.cfg.groups_per_step):
             env, p, g = self.new_group()
-            pool += await self.collector.start(env, g, p, self.step)
-        return await self.collector.run_iteration(pool, self.step)
+            pool += await self.collector.start(env, g, p, iteration)
+        return await self.collector.run_iteration(pool, iteration)
+
+    def _collect_on_thread(self, iteration: int, threads: int):
+        """``collect`` on the rollout thread (an event loop of its own) with ``threads`` torch threads;
+        → a future of (collect's result, seconds it took)."""
+        def work():
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            out = asyncio.run(self.collect(iteration))
+            return out, time.perf_counter() - t0
+        return self._rollout_thread.submit(work)
 
     # ---- train --------------------------------------------------------------------------
     def micro_batches(self, trajs) -> list[list[int]]:
@@ -325,9 +364,50 @@ class RLTrainer:
         self.collector.version += 1
         return time.perf_counter() - t0
 
+    def _split_threads(self) -> tuple[int, int]:
+        """(rollout, trainer) torch threads while overlapped: ``overlap_threads`` (0: half) and the rest, ≥ 1 each."""
+        n = torch.get_num_threads()
+        r = self.cfg.rollout.overlap_threads or max(1, n // 2)
+        return r, max(1, n - r)
+
     async def train_step(self) -> dict:
+        """collect → learn → sync weights (``rollout.overlap``: see ``_overlapped_step``)."""
         t0 = time.perf_counter()
+        if self.overlap:
+            return self._overlapped_step(t0)
         trees, self.pool, rstats = await self.collect()
+        rollout_s = time.perf_counter() - t0
+        return self._finish(self._learn(trees, rstats), rollout_s)
+
+    def _overlapped_step(self, t0: float) -> dict:
+        """One-step off-policy: learn on the batch rolled out at θ_t-1 while the rollout thread rolls out
+        the next one at θ_t (the engine serves its own copy of the weights, so the optimizer step cannot
+        reach it mid-rollout); then wait for that rollout and sync θ_t+1. Staleness is exactly 1 after
+        the first step (0 there: its batch is rolled out first, at θ_0). θ_old is the trainer's θ_t
+        (the training forward's, or a recompute): the PPO ratio and clip are taken against θ_t and the
+        behaviour gap π_θ_t / μ — one version plus engine numerics — is what IcePop / TIS correct,
+        token by token (the decoupled objective of AReaL)."""
+        threads = torch.get_num_threads()
+        if self.prefetched is None:          # the first step of a run: nothing rolled out ahead yet
+            self.prefetched = self._collect_on_thread(self.step, threads).result()[0]
+        trees, self.pool, rstats = self.prefetched
+        self.prefetched = None
+        rollout_s = time.perf_counter() - t0
+        mine, theirs = self._split_threads()
+        ahead = self._collect_on_thread(self.step + 1, mine)
+        torch.set_num_threads(theirs)
+        try:
+            row = self._learn(trees, rstats)
+        finally:
+            t1 = time.perf_counter()
+            wait([ahead])                    # the engine must be idle before its weights move
+            torch.set_num_threads(threads)
+        self.prefetched, ahead_s = ahead.result()
+        row.update(rollout_wait_s=time.perf_counter() - t1, rollout_ahead_s=ahead_s)
+        return self._finish(row, rollout_s + row["rollout_wait_s"])
+
+    def _learn(self, trees, rstats) -> dict:
+        """Advantages, θ_old (or its skip), the optimizer step(s) on ``trees``; → the step's row (no sync)."""
         t1 = time.perf_counter()
         trajs = [t for tree in trees for t in tree.trajectories()]
         row = {"step": self.step, **rstats}
@@ -335,34 +415,39 @@ class RLTrainer:
         if self.ctx.distributed:
             names = sorted(rstats)
             row.update(zip(names, map(int, self.ctx.sum_floats([rstats[k] for k in names], "rollout stats"))))
-        if total:
-            skip = self.skips_recompute
-            logp_old, logp_ref, ent = (None, None, [0.0, 0.0]) if skip else self.recompute_old(trajs)
-            t2 = time.perf_counter()
-            row.update(self.train_on(trajs, logp_old, logp_ref, entropy=ent if skip else None))
-            if self.ctx.distributed:
-                ent = self.ctx.sum_floats(ent, "entropy")
-            row["entropy"] = ent[0] / max(1.0, ent[1])
-            row["recompute_skipped"] = float(skip)
-            t3 = time.perf_counter()
-            oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
-            staleness = self.collector.version - oldest   # policy versions behind the one trained
-            row.update(self.routepack.after_step(trajs, self.step))      # may migrate experts (collective)
+        if not total:
+            return row
+        skip = self.skips_recompute
+        logp_old, logp_ref, ent = (None, None, [0.0, 0.0]) if skip else self.recompute_old(trajs)
+        t2 = time.perf_counter()
+        row.update(self.train_on(trajs, logp_old, logp_ref, entropy=ent if skip else None))
+        if self.ctx.distributed:
+            ent = self.ctx.sum_floats(ent, "entropy")
+        row["entropy"] = ent[0] / max(1.0, ent[1])
+        row["recompute_skipped"] = float(skip)
+        t3 = time.perf_counter()
+        oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
+        staleness = self.collector.version - oldest   # policy versions behind the one trained
+        row.update(self.routepack.after_step(trajs, self.step))      # may migrate experts (collective)
+        row.update(recompute_s=t2 - t1, train_s=t3 - t2)
+        reward_sum = sum(t.reward for t in trajs)
+        if self.ctx.distributed:
+            staleness = self.ctx.flags_max(staleness, name="staleness")[0]
+            reward_sum = self.ctx.sum_floats([reward_sum], "rewards")[0]
+        row.update(staleness=int(staleness), reward=reward_sum / total, samples=total)
+        return row
+
+    def _finish(self, row: dict, rollout_s: float) -> dict:
+        if "samples" in row:
             row["sync_s"] = self.sync_weights()
-            row.update(recompute_s=t2 - t1, train_s=t3 - t2)
-            reward_sum = sum(t.reward for t in trajs)
-            if self.ctx.distributed:
-                staleness = self.ctx.flags_max(staleness, name="staleness")[0]
-                reward_sum = self.ctx.sum_floats([reward_sum], "rewards")[0]
-            row.update(staleness=int(staleness), reward=reward_sum / total, samples=total)
-        row["rollout_s"] = t1 - t0
+        row["rollout_s"] = rollout_s     # rollout time the trainer waited for
         self.step += 1
         return row
 
     # ---- eval ---------------------------------------------------------------------------
     async def evaluate(self, n: int | None = None, split: str = "test", progress: bool = False) -> float:
         probs = self.task.generate(n or self.cfg.eval_problems, seed=self.cfg.seed + 1, split=split)
-        cfg = RolloutConfig(**{**self.cfg.rollout.__dict__, "temperature": 0.0, "branch": [1]})
+        cfg = dataclasses.replace(self.cfg.rollout, temperature=0.0, branch=[1])
         collector = Collector(self.engine, self.tok, cfg, self.sampling_factory)
         pool = []
         W, r = self.ctx.world_size, self.ctx.rank
@@ -383,7 +468,8 @@ class RLTrainer:
         save_state(folder, self.model, self.optimizer, tokenizer=self.tok, state={
             "step": self.step, "pool": self.pool, "next_problem": self.next_problem, "next_group": self.next_group,
             "version": self.collector.version, "history": self.history, "python_rng": random.getstate(),
-            "routepack": self.routepack.state_dict(), "settings": settings_of(self.cfg)}, ctx=self.ctx)
+            "routepack": self.routepack.state_dict(), "prefetched": self.prefetched,
+            "settings": settings_of(self.cfg)}, ctx=self.ctx)
 
     def load(self, folder: Path) -> bool:
         """Resume from ``folder``'s checkpoint; False (nothing changed) when there is none."""
@@ -393,6 +479,7 @@ class RLTrainer:
         self.step, self.pool, self.history = s["step"], s["pool"], s["history"]
         self.next_problem, self.next_group = s["next_problem"], s["next_group"]
         self.collector.version = s["version"]
+        self.prefetched = s.get("prefetched")     # overlap: the next step's batch, rolled out before the save
         random.setstate(s["python_rng"])
         self.routepack.load_state_dict(s.get("routepack"))
         self.engine.update_weights(self.model.state_dict())

@@ -1,0 +1,131 @@
+"""``rollout.overlap=true``: the next step's rollout runs while this step trains (one-step off-policy).
+
+What must hold: every trained token was sampled at θ_t-1 (staleness 1, versions per token), the
+engine log-probs the loss gets as the behaviour policy are θ_t-1's (not θ_t's), the mismatch
+correction sees that lag, the run learns, and a crash + resume equals the uninterrupted run."""
+
+import asyncio
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from arbor.bench.rl_setup import make_trainer
+from arbor.models import CausalLM, ModelConfig
+from arbor.models.tokenizer import builtin_tokenizer
+from arbor.rollout.collector import RolloutConfig
+from arbor.train.logprobs import packed_logprobs
+from arbor.train.optim import OptimConfig
+from arbor.train.rl import C3POConfig, RLConfig, RLRolloutConfig
+
+SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id)).eval(), tok
+
+
+def config(tmp_path=None, overlap=True, **kw) -> RLConfig:
+    base = dict(task="longtail", seed=0, groups_per_step=4, checkpoint_every=0, out=str(tmp_path or "runs/test"),
+                rollout=RLRolloutConfig(max_turn_tokens=24, max_context=200, temperature=1.0, branch=[4], overlap=overlap),
+                optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), c3po=C3POConfig(enabled=False))
+    base.update(kw)
+    return RLConfig(**base)
+
+
+class Recording:
+    """Wraps ``train_on`` to keep, per step, the trajectories trained and the weights they were trained from."""
+
+    def __init__(self, trainer):
+        self.steps = []
+        inner = trainer.train_on
+
+        def train_on(trajs, *a, **kw):
+            self.steps.append((trajs, copy.deepcopy(trainer.model.state_dict())))
+            return inner(trajs, *a, **kw)
+        trainer.train_on = train_on
+
+
+def test_overlapped_batches_come_from_the_previous_policy(tiny, one_thread):
+    model, tok = tiny
+    trainer = make_trainer(config(), model, tok)
+    seen = Recording(trainer)
+    rows = [asyncio.run(trainer.train_step()) for _ in range(4)]
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["rollout_ahead_s"] > 0 for r in rows)
+    probe = copy.deepcopy(trainer.model)
+    for step, (trajs, weights) in enumerate(seen.steps):
+        versions = {v for t in trajs for v in t.versions if v >= 0}
+        assert versions == {max(0, step - 1)}                   # versions per token: θ_t-1 (θ_0 at the first step)
+        behaviour = seen.steps[max(0, step - 1)][1]             # the weights the engine sampled with
+        for name, w in (("behaviour", behaviour), ("trained", weights)):
+            probe.load_state_dict(w)
+            logp, cu = packed_logprobs(probe, [t.tokens for t in trajs])
+            mask = torch.tensor([m for t in trajs for m in t.loss_mask], dtype=torch.bool)
+            gap = (logp[mask] - torch.tensor([x for t in trajs for x in t.logp_infer])[mask]).abs().max()
+            if name == "behaviour" or step == 0:
+                assert gap < 1e-4, (step, name, float(gap))     # the engine's log-probs are μ = π_θt-1 exactly
+            else:
+                assert gap > 1e-3, (step, float(gap))           # … and not the trained θ_t's
+    # the correction sees the lag: k = π_θt / μ is 1 (to float32 rounding) only at the first step
+    assert rows[0]["mismatch_abs"] < 1e-5
+    assert all(r["mismatch_abs"] > 1e-3 for r in rows[1:]), [r["mismatch_abs"] for r in rows]
+
+
+def test_overlapped_rl_raises_reward(tiny, one_thread):
+    model, tok = tiny
+    trainer = make_trainer(config(), model, tok)
+    rows = [asyncio.run(trainer.train_step()) for _ in range(12)]
+    first, last = sum(r["reward"] for r in rows[:3]) / 3, sum(r["reward"] for r in rows[-3:]) / 3
+    assert last > first + 0.1, (first, last)
+
+
+def test_overlapped_run_resumes_bit_for_bit(tiny, tmp_path, one_thread):
+    """The batch rolled out ahead is part of the checkpoint: crash + resume = the uninterrupted run."""
+    model, tok = tiny
+    keys = ("reward", "grad_norm", "samples", "staleness", "mismatch_abs", "entropy")
+
+    def metrics(path):
+        return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+    kw = dict(steps=4, checkpoint_every=2, c3po=C3POConfig(enabled=True, token_budget=60, capacity=6))
+    a = make_trainer(config(tmp_path / "a", **kw), model, tok)
+    asyncio.run(a.run())
+    asyncio.run(make_trainer(config(tmp_path / "b", **kw), model, tok).run(stop_after=3))
+    b = make_trainer(config(tmp_path / "b", **kw), model, tok)
+    asyncio.run(b.run())
+    ra, rb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in rb] == [0, 1, 2, 3]
+    assert all(r["staleness"] >= 1 for r in ra[1:])               # C3PO++ carry-overs may add versions
+    for x, y in zip(ra, rb):
+        for k in keys:
+            assert x[k] == y[k], (k, x["step"])
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="overlap"):            # a checkpoint of the other schedule is refused
+        asyncio.run(make_trainer(config(tmp_path / "b", overlap=False, **{**kw, "steps": 5}), model, tok).run())
+
+
+def test_a_plain_rollout_config_means_no_overlap():
+    cfg = RLConfig(rollout=RolloutConfig(max_turn_tokens=8))
+    assert isinstance(cfg.rollout, RLRolloutConfig) and not cfg.rollout.overlap and cfg.rollout.max_turn_tokens == 8
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.overlap=true", "loss.correction=none"], "rollout.overlap=true needs loss.correction tis or icepop"),
+    (["rollout.overlap_threads=-1"], "rollout.overlap_threads must be ≥ 0"),
+    (["rollout.overlap=yes"], "'rollout.overlap' must be bool"),
+])
+def test_overlap_keys_are_validated(tmp_path, overrides, message):
+    run = subprocess.run([sys.executable, "-m", "arbor.cli", "train", f"out={tmp_path / 'never'}", *overrides],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr
+    assert not (tmp_path / "never").exists()
