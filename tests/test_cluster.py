@@ -126,6 +126,45 @@ def replicas(ray_run):
     return ray_run[0].manager
 
 
+def test_a_replica_takes_many_requests_per_call_and_a_closed_stream_aborts_there(replicas):
+    """16 samples and one closed after its first tokens: a few submit calls, polls bounded by the
+    stream interval (not one call or stream per sample or token), every token once, the closed one aborted."""
+    from arbor.engine import SamplingParams
+    engine = RemoteEngine(replicas)
+    handles = [h for _, h in engine.slots]
+    calls = lambda: [ray.get(h.info.remote())["calls"] for h in handles]
+    before = calls()
+
+    async def sample(i, max_tokens, close_early=False):
+        params = SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True)
+        snaps = []
+        stream = engine.generate([1 + i, 2, 3], params)
+        async for out in stream:
+            snaps.append(out)
+            if close_early:
+                await stream.aclose()
+                break
+        return snaps
+
+    async def rollout():
+        t0 = time.monotonic()
+        snaps = await asyncio.gather(*[sample(i, 32) for i in range(16)], sample(99, 150, True))
+        return snaps, time.monotonic() - t0, [ray.get(h.info.remote())["running"] for h in handles]
+
+    snaps, seconds, running = asyncio.run(rollout())
+    assert running == [0, 0]                                  # the closed request was aborted on its replica
+    for s in snaps[:16]:
+        assert s[-1].finish_reason == "length" and len(s[-1].token_ids) == len(s[-1].logprobs) == 32
+        assert all(a.token_ids == b.token_ids[:len(a.token_ids)] for a, b in zip(s, s[1:]))   # cumulative
+    assert len(snaps[16]) == 1 and snaps[16][0].finish_reason is None
+    after = calls()
+    delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+    assert sum(d["requests"] for d in delta) == 17 and all(d["requests"] >= 8 for d in delta)    # balanced
+    assert all(d["submit"] <= 4 for d in delta), delta        # batched (one more carries the abort)
+    interval = ClusterConfig().stream_interval_ms / 1e3
+    assert all(d["poll"] <= seconds / interval + 2 for d in delta), (delta, seconds)
+
+
 def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_doubled(ray_run, replicas):
     from arbor.rollout.collector import Collector, RolloutConfig
     from arbor.tasks.longtail import LongTailEnvironment, LongTailProblem

@@ -189,7 +189,7 @@ def add_arguments(p) -> None:
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--work", help="folder for the models, runs and Ray's files (default: a new temp folder)")
     p.add_argument("--stream-interval-ms", type=float, default=50.0,
-                   help="cluster.stream_interval_ms of the Ray runs (least time between two chunks of a token stream)")
+                   help="cluster.stream_interval_ms of the Ray runs (least time between two answers to a client's poll)")
 
 
 def main(args) -> None:

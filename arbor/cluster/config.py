@@ -37,7 +37,7 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0   # disaggregated only
     threads: int = 0               # torch threads per actor (0: the whole CPUs its bundle share holds, at least 1)
     weight_sync: str = "store"     # store: Ray object store | broadcast: a gloo group of trainer rank 0 and the replicas
-    stream_interval_ms: float = 50.0   # least time between two chunks of a replica's token stream (0: every step)
+    stream_interval_ms: float = 50.0   # least time between two answers of a replica to a client's poll, unless a request finished (0: every step)
     num_cpus: int = 0              # a local cluster's CPUs (0: this machine's cores)
     object_store_mb: int = 0       # a local cluster's object store (0: Ray's default)
     temp_dir: str = ""             # Ray's session files of a local cluster ("": OUT/ray)

@@ -6,7 +6,8 @@ this class offers exactly those, so ``RLTrainer`` runs unchanged on Ray.
 
 Load balancing: each request goes to the live replica with the fewest in-flight tokens of this
 client (prompt + tokens already generated + tokens still allowed, per request until it ends). Each
-trainer rank balances its own requests, so the sum over ranks stays balanced too.
+trainer rank balances its own requests, so the sum over ranks stays balanced too. A client's
+requests to one replica share one ``Channel`` (batched submission, one poll loop for the chunks of all).
 
 Failures: when a replica's process dies mid-stream, the request is re-submitted at once to another
 live replica from its token ids (prompt + the tokens received so far, ``max_tokens`` reduced by as
@@ -32,6 +33,7 @@ import itertools
 import time
 import uuid
 
+from arbor.cluster.channel import LOST, Channel
 from arbor.cluster.weights import BroadcastGroup, flatten
 from arbor.dist import CollectiveError
 
@@ -56,6 +58,7 @@ class RemoteEngine:
         self.down: dict[int, asyncio.Task | str] = {}     # slot → its replacement, or why it failed
         self.version = ray.get(manager.stats.remote())["version"]     # every rank reads it before any sync
         self.kept, self.group, self.group_key = None, None, None
+        self.channels: dict[int, Channel] = {}
         self.resubmitted = 0
         self._ids = itertools.count()
         self._client = uuid.uuid4().hex[:8]
@@ -99,10 +102,16 @@ class RemoteEngine:
         self.slots[slot] = [new_epoch, handle]
         self.down.pop(slot, None)
 
+    def _channel(self, slot: int) -> Channel:
+        """This event loop's channel to the replica now in ``slot``."""
+        epoch, handle = self.slots[slot]
+        ch = self.channels.get(slot)
+        if ch is None or ch.epoch != epoch or ch.loop is not asyncio.get_running_loop():
+            ch = self.channels[slot] = Channel(handle, self._client, epoch)
+        return ch
+
     async def generate(self, prompt, params, request_id: str | None = None):
         """Async iterator of cumulative ``Completion`` snapshots of one sample (``params.n`` = 1)."""
-        import ray.exceptions as rex
-
         from arbor.engine.sequence import Completion
         if isinstance(prompt, str) or params.n != 1 or params.stop:
             raise ValueError("a remote engine takes token ids, n=1 and stop token ids (no stop strings)")
@@ -110,32 +119,30 @@ class RemoteEngine:
         tokens, logprobs, routed, finish, part = [], [], None, None, 0
         while finish is None:
             slot = await self._pick()
-            epoch, handle = self.slots[slot]
-            start, sub = len(tokens), self._continuation(params, len(tokens))
+            ch, start, sub = self._channel(slot), len(tokens), self._continuation(params, len(tokens))
             cost = len(prompt) + start + sub.max_tokens
             self.load[slot] += cost
-            gen, ended = handle.generate.remote(prompt + tokens, sub, self.version, f"{rid}.{part}"), False
+            name = f"{rid}.{part}"
+            q = ch.open(name, prompt + tokens, sub, self.version)
             try:
-                async for ref in gen:
-                    c = await ref
+                while finish is None:
+                    c = await q.get()
+                    if c is LOST:
+                        self._lost(slot, ch.epoch)
+                        self.resubmitted += 1
+                        part += 1
+                        break
+                    if c.error is not None:
+                        raise c.error
                     tokens += c.token_ids
                     logprobs += c.logprobs
                     if c.routed_experts is not None:
                         routed = _join(routed, start + c.routed_from, c.routed_experts)
                     finish = c.finish_reason
                     yield Completion(rid, 0, prompt, list(tokens), list(logprobs), finish, routed_experts=routed)
-                ended = True
-                if finish is None:
-                    raise RuntimeError(f"replica {slot} ended request {rid} without finishing it")
-            except rex.RayActorError:
-                ended = True
-                self._lost(slot, epoch)
-                self.resubmitted += 1
-                part += 1
             finally:
                 self.load[slot] -= cost
-                if not ended:                     # closed early (C3PO++ stop, cancellation): abort there
-                    ray_cancel(gen)
+                ch.close(name)                    # closed early (C3PO++ stop, cancellation): abort there
 
     @staticmethod
     def _continuation(params, done: int):
@@ -224,10 +231,3 @@ def first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0] if lines else type(e).__name__
 
-
-def ray_cancel(gen) -> None:
-    import ray
-    try:
-        ray.cancel(gen)
-    except Exception:                             # noqa: BLE001 (already finished or its actor is gone)
-        pass
