@@ -129,3 +129,32 @@ def test_packing_leaves_hybrid_moe_outputs_bit_identical():
     packed.update_weights(model.state_dict())
     assert greedy(packed, prompts) == greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
                                                        EngineConfig(dtype="bfloat16", num_blocks=64)), prompts)
+
+
+@pytest.mark.skipif(not packing_available(torch.float32), reason="PyTorch built without oneDNN")
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_packed_fp32_copy_decodes_like_the_plain_path(hybrid):
+    """``share_weights=False, fp32_gemm="onednn"``: the engine's own float32 copy runs oneDNN's packed
+    GEMMs (sums in another order than MKL's ``F.linear``): the same greedy tokens, log-probs within
+    float32 rounding, and the caller's module untouched; ``exact`` packs nothing."""
+    from tests.test_model_attention import HYBRID
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**(HYBRID if hybrid else TINY))).eval()
+    prompts = [[t % 64 for t in p] for p in PROMPTS] if hybrid else PROMPTS
+    packed = LLMEngine(model, EngineConfig(num_blocks=64, share_weights=False))
+    exact = LLMEngine(model, EngineConfig(num_blocks=64, share_weights=False, fp32_gemm="exact"))
+    shared = LLMEngine(model, EngineConfig(num_blocks=64))
+    assert packed.num_packed > 0 and exact.num_packed == shared.num_packed == 0
+    assert packed.model is not model and shared.model is model
+    assert not any(isinstance(m, (PackedLinear, PackedExperts)) for m in model.modules())
+    (toks, lps), (toks_ref, lps_ref) = greedy(packed, prompts, 24), greedy(shared, prompts, 24)
+    assert toks == toks_ref == greedy(exact, prompts, 24)[0]
+    for a, b in zip(lps, lps_ref):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+def test_engine_config_refuses_bad_weight_keys():
+    with pytest.raises(ValueError, match="fp32_gemm must be 'onednn' or 'exact'"):
+        EngineConfig(fp32_gemm="mkl").validate()
+    with pytest.raises(ValueError, match="share_weights must be true or false"):
+        EngineConfig(share_weights="no").validate()

@@ -73,13 +73,10 @@ class PhaseTimer:
 
 
 def build(a):
-    from arbor.bench.engine import SHAPE
+    from arbor.bench.engine import SHAPES
     from arbor.engine import EngineConfig, LLMEngine, SamplingParams
     from arbor.models import CausalLM, ModelConfig
-    shape = dict(SHAPE)
-    if a.moe:
-        shape.update(architecture="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
-                     moe_intermediate_size=shape["intermediate_size"] // 2, norm_topk_prob=True)
+    shape = dict(SHAPES["moe"], architecture="Qwen3MoeForCausalLM") if a.moe else SHAPES["tiny"]
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**shape)).eval()
     rng = random.Random(0)

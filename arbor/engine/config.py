@@ -29,7 +29,13 @@ class EngineConfig:
     ``device_kv_blocks`` layer-blocks (default: the pool above, in layer-blocks) and a host tier of
     ``host_kv_blocks`` blocks (default: the pool above); ``policy="layerkv"`` adds
     SLO-aware admission to ``mixed`` (``tpot_slo``, ``ttft_slo`` in seconds, safety factor
-    ``slo_safety`` ≥ 1 on the predicted prefill time; ``arbor.engine.slo_admission``)."""
+    ``slo_safety`` ≥ 1 on the predicted prefill time; ``arbor.engine.slo_admission``).
+    ``share_weights``: a module already in the engine's dtype and device is served as is (the
+    caller's tensors; weight updates move nothing); False: the engine keeps its own copy, which it
+    may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
+    oneDNN pre-packed weights (1.1–1.9× faster GEMMs here; sums in another order than ``F.linear``,
+    so logits differ in the last bits) | ``exact``: ``F.linear``. bfloat16 copies are always packed
+    (bit-identical there; ``arbor.engine.cpu_linear``)."""
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -54,6 +60,8 @@ class EngineConfig:
     tpot_slo: float | None = None
     ttft_slo: float | None = None
     slo_safety: float = 1.2
+    share_weights: bool = True
+    fp32_gemm: str = "onednn"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,6 +105,10 @@ class EngineConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"EngineConfig.policy must be one of {sorted(POLICIES)}, got '{self.policy}'")
         self._validate_layer_kv()
+        if not isinstance(self.share_weights, bool):
+            raise ValueError(f"EngineConfig.share_weights must be true or false, got {self.share_weights!r}")
+        if self.fp32_gemm not in ("onednn", "exact"):
+            raise ValueError(f"EngineConfig.fp32_gemm must be 'onednn' or 'exact', got {self.fp32_gemm!r}")
         self.torch_dtype
 
     def _validate_layer_kv(self) -> None:

@@ -61,7 +61,7 @@ def _load(model_or_path, cfg: EngineConfig, tokenizer, ctx=None):
             tokenizer = Tokenizer.load(folder)
         return model.eval(), tokenizer, True
     model = model_or_path
-    if model.dtype != cfg.torch_dtype or model.device != torch.device(cfg.device):
+    if model.dtype != cfg.torch_dtype or model.device != torch.device(cfg.device) or not cfg.share_weights:
         return copy.deepcopy(model).to(dtype=cfg.torch_dtype, device=cfg.device).eval(), tokenizer, True
     return model.eval(), tokenizer, False
 
@@ -84,8 +84,9 @@ def refuse_block_diffusion(model_or_path) -> None:
 class LLMEngine:
     def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None, ctx=None):
         """A module in the engine's dtype and device is served as is (weight updates then move
-        nothing); otherwise the engine keeps its own converted copy, whose linear weights it
-        packs for oneDNN when that copy is bfloat16 on CPU (``cpu_linear``). ``ctx``: the rank
+        nothing) unless ``share_weights=False``; otherwise the engine keeps its own converted copy,
+        whose linear weights it packs for oneDNN on CPU (bfloat16; float32 with
+        ``fp32_gemm="onednn"``: ``cpu_linear``). ``ctx``: the rank
         context of a distributed engine (a folder is then loaded with its experts sharded; a
         module must already be sharded with ``shard_experts``)."""
         refuse_block_diffusion(model_or_path)
@@ -97,7 +98,7 @@ class LLMEngine:
         self.lockstep = getattr(self.model, "ep_state", None) is not None
         if self.lockstep and ctx is None:
             raise ValueError("an expert-parallel model needs the engine to get its rank context (ctx=...)")
-        self.num_packed = pack_linears(self.model) if owned else 0
+        self.num_packed = pack_linears(self.model, fp32=cfg.fp32_gemm == "onednn") if owned else 0
         mc = self.model.config
         has_linear = "linear_attention" in mc.layer_types
         n_attn = sum(t == "full_attention" for t in mc.layer_types)
