@@ -129,3 +129,27 @@ def test_overlap_keys_are_validated(tmp_path, overrides, message):
     assert run.returncode == 2, run.stderr
     assert message in run.stderr
     assert not (tmp_path / "never").exists()
+
+
+def test_bench_rl_times_both_schedules(tmp_path, one_thread):
+    """``arbor bench rl --overlap both``: Arbor with and without overlap, the gain paired by round, a
+    target per schedule; ``--threads 1`` runs the bench on one CPU (a thread budget is a core budget)
+    and gives the process its CPUs back afterwards."""
+    import os
+    from arbor.bench.rl_workloads import default_model
+    from arbor.cli import main
+    before = os.sched_getaffinity(0)
+    main(["bench", "rl", "--out", str(tmp_path), "--model", str(default_model(tmp_path / "model")), "--workload", "trl",
+          "--steps", "1", "--prompts", "1", "--trl", "off", "--threads", "1", "--overlap", "both"])
+    assert os.sched_getaffinity(0) == before
+    result = json.loads((tmp_path / "rl.json").read_text())
+    assert result["config"]["overlap"] == "both" and result["config"]["cpus"] == 1
+    w = result["workloads"]["trl"]
+    assert not w["arbor"]["overlap"] and w["arbor_overlap"]["overlap"]
+    assert w["arbor_overlap"]["phases_s"]["rollout_ahead_s"] > 0 and w["overlap_speedup"] > 0
+    assert w["arbor"]["tokens_per_step"] == w["arbor_overlap"]["tokens_per_step"] == 4 * 32
+    assert [t["name"] for t in result["targets"]] == [
+        "trl: Arbor ÷ TRL trained tokens/s, 1 threads (trl not installed: not measured)",
+        "trl: Arbor (rollout.overlap=true) ÷ TRL trained tokens/s, 1 threads (trl not installed: not measured)"]
+    with pytest.raises(SystemExit):
+        main(["bench", "rl", "--out", str(tmp_path), "--trl", "off", "--overlap", "sometimes"])

@@ -18,11 +18,19 @@ off); each step is timed whole and per phase (rollout, log-prob recompute, train
 medians over ``--steps`` steps after one warm-up step. Trained tokens = the loss (model) tokens
 of every trajectory. TRL (when importable) runs in a subprocess (``arbor.bench.rl_trl``) on the
 same threads. Targets: trained tokens/s ≥ 1.5× TRL on TRL's shape, ≥ 3× on the agentic one.
+
+``--overlap on|both`` also (or only) times Arbor with ``rollout.overlap=true``: the next step's
+rollout on a thread of its own while this step trains, the torch threads split between the two
+(``rollout.overlap_threads``); its rollout phase is then the time the trainer waited for the
+rollout, and ``rollout_ahead_s`` the rollout's own time. ``--threads N`` below the CPUs this
+process may use also pins the whole bench (Arbor's threads and the TRL subprocess) to N CPUs, so
+that a thread budget is a core budget for every system, overlapped or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -38,14 +46,38 @@ from arbor.bench.rl_workloads import Workload, default_model, make_task, prompt_
 
 PHASES = ["rollout_s", "recompute_s", "train_s", "sync_s"]
 WANTED = {"trl": 1.5, "agentic": 3.0}
+VARIANTS = {"off": (False,), "on": (True,), "both": (False, True)}    # --overlap → Arbor runs without / with
+KEY = {False: "arbor", True: "arbor_overlap"}
 
 
-def arbor_trainer(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, seed: int = 0, **overrides):
+def pin_cpus(cpus) -> None:
+    """Set the CPUs of every thread of this process (threads and processes started later inherit them)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:      # a thread that ended meanwhile
+            pass
+
+
+@contextlib.contextmanager
+def cpu_budget(n: int):
+    """Within: the process runs on its first ``n`` allowed CPUs when it may use more (→ the CPUs); after:
+    on all of them again."""
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = allowed[:n] if n and n < len(allowed) else allowed
+    pin_cpus(mine)
+    try:
+        yield mine
+    finally:
+        pin_cpus(allowed)
+
+
+def arbor_trainer(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, seed: int = 0,
+                  overlap: bool = False, **overrides):
     """The RL trainer of ``arbor train`` on ``model_dir`` and workload ``w`` (``overrides``: RLConfig fields)."""
     from arbor.models import load_model
     from arbor.models.tokenizer import Tokenizer
-    from arbor.rollout.collector import RolloutConfig
-    from arbor.train.rl import C3POConfig, RLConfig, RLTrainer
+    from arbor.train.rl import C3POConfig, RLConfig, RLRolloutConfig, RLTrainer
     from arbor.train.run import make_engine
     torch.manual_seed(seed)
     model = load_model(model_dir, dtype=torch.float32, device=device)
@@ -53,16 +85,17 @@ def arbor_trainer(model_dir, w: Workload, steps: int, engine_dtype: str, device:
     cfg = RLConfig(model=str(model_dir), task=f"bench-{w.name}", seed=seed, device=device, steps=steps + 1,
                    groups_per_step=w.prompts, checkpoint_every=0, engine_dtype=engine_dtype,
                    c3po=C3POConfig(enabled=False),
-                   rollout=RolloutConfig(max_turn_tokens=w.new_tokens, max_context=w.max_context, branch=list(w.branch),
-                                         end_on_truncation=False), **overrides)
+                   rollout=RLRolloutConfig(max_turn_tokens=w.new_tokens, max_context=w.max_context, branch=list(w.branch),
+                                           end_on_truncation=False, overlap=overlap), **overrides)
     cfg.validate()
     engine, sampling = make_engine(model, tok, engine_dtype, device, max_model_len=w.max_context + 64)
     return RLTrainer(cfg, model, tok, engine, sampling, make_task(w, tok))
 
 
-def run_arbor(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, **overrides) -> dict:
+def run_arbor(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, overlap: bool = False,
+              **overrides) -> dict:
     """→ medians of step seconds, phases and trained tokens over ``steps`` steps after a warm-up step."""
-    trainer = arbor_trainer(model_dir, w, steps, engine_dtype, device, **overrides)
+    trainer = arbor_trainer(model_dir, w, steps, engine_dtype, device, overlap=overlap, **overrides)
     hist, walls = [], []
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -72,8 +105,9 @@ def run_arbor(model_dir, w: Workload, steps: int, engine_dtype: str, device: str
     hist, walls = hist[1:], walls[1:]
     step_s, tokens = median(walls), median([r["tokens"] for r in hist])
     keep = [k for k in hist[0] if isinstance(hist[0][k], (int, float))]
-    return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
-            "phases_s": {k: median([r[k] for r in hist]) for k in PHASES},
+    phases = PHASES + (["rollout_ahead_s"] if overlap else [])
+    return {"step_s": step_s, "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "overlap": overlap,
+            "phases_s": {k: median([r[k] for r in hist]) for k in phases},
             "samples_per_step": median([r["samples"] for r in hist]),
             "recompute_skipped": bool(hist[0].get("recompute_skipped", False)),
             "history": [{k: r[k] for k in keep} for r in hist]}
@@ -116,44 +150,62 @@ def merge_rounds(runs: list[dict]) -> dict:
         return runs[0]
     out = {k: median([r[k] for r in runs]) for k in ("step_s", "tokens_per_s", "tokens_per_step")}
     if "phases_s" in runs[0]:
-        out["phases_s"] = {k: median([r["phases_s"][k] for r in runs]) for k in PHASES}
+        out["phases_s"] = {k: median([r["phases_s"][k] for r in runs]) for k in runs[0]["phases_s"]}
     return {**runs[0], **out, "rounds": runs}
 
 
 def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps=3, threads=0, engine_dtype="float32",
-        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, rounds=1, **overrides) -> dict:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, rounds=1, overlap="off", **overrides) -> dict:
     if threads:
         torch.set_num_threads(threads)
+    with cpu_budget(threads) as cpus:
+        return _run(Path(out_dir), model, workloads, steps, engine_dtype, device, trl, prompts, trl_timeout, rounds,
+                    overlap, len(cpus), **overrides)
+
+
+def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts, trl_timeout, rounds, overlap, cpus,
+         **overrides) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     model_dir = Path(model) if model else default_model(out / "rl_model")
     has_trl = trl != "off" and importlib.util.find_spec("trl") is not None
     if trl == "on" and not has_trl:
         raise SystemExit("--trl on: the trl package is not importable (pip install trl)")
     result = {"config": {"model": str(model_dir), "steps": steps, "rounds": rounds, "threads": threads,
-                         "engine_dtype": engine_dtype, "device": device, "trl": has_trl}, "workloads": {}}
+                         "engine_dtype": engine_dtype, "device": device, "trl": has_trl, "overlap": overlap,
+                         "cpus": cpus}, "workloads": {}}
     rows, targets = [], []
     for name in workloads:
         w = workload(name, prompts)
-        arbor_runs, trl_runs = [], []
+        arbor_runs, trl_runs = {v: [] for v in VARIANTS[overlap]}, []
         for _ in range(rounds):      # Arbor and TRL alternate, so drifting machine load hits both alike
-            arbor_runs.append(run_arbor(model_dir, w, steps, engine_dtype, device, **overrides))
+            for v in arbor_runs:
+                arbor_runs[v].append(run_arbor(model_dir, w, steps, engine_dtype, device, overlap=v, **overrides))
             if has_trl:
                 trl_runs.append(run_trl(model_dir, w, steps, threads, device, out, trl_timeout))
-        a = merge_rounds(arbor_runs)
-        entry = {"shape": w.__dict__ | {"samples": w.samples}, "arbor": a}
-        ph = a["phases_s"]
-        rows.append([f"{name}: Arbor"] + [a["step_s"]] + [1e3 * ph[k] for k in PHASES] + [a["tokens_per_s"], ""])
-        ratio = None
-        if has_trl:
-            t = merge_rounds(trl_runs)
-            ratio = median([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(arbor_runs, trl_runs)])
-            entry.update(trl=t, ratio=ratio)
+        entry = {"shape": w.__dict__ | {"samples": w.samples}}
+        t = merge_rounds(trl_runs) if has_trl else None
+        if t is not None:
+            entry["trl"] = t
             result["config"]["trl_version"] = t["trl"]
-            rows.append([f"{name}: TRL {t['trl']}", t["step_s"], "", "", "", "", t["tokens_per_s"], ratio])
-        what = f"{name}: Arbor ÷ TRL trained tokens/s, {threads} threads" + ("" if has_trl else " (trl not installed: not measured)")
-        targets.append(target(what, ratio, f">= {WANTED[name]}", ratio is not None and ratio >= WANTED[name]))
+        for v, runs in arbor_runs.items():
+            a = entry[KEY[v]] = merge_rounds(runs)
+            label = f"{name}: Arbor" + (" overlap" if v else "")
+            ph = a["phases_s"]
+            rows.append([label, a["step_s"]] + [1e3 * ph[k] for k in PHASES] + [a["tokens_per_s"], ""])
+            ratio = None
+            if t is not None:
+                ratio = median([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs, trl_runs)])
+                entry["ratio_overlap" if v else "ratio"] = ratio
+                rows[-1][-1] = ratio
+            what = (f"{name}: Arbor{' (rollout.overlap=true)' if v else ''} ÷ TRL trained tokens/s, {threads} threads"
+                    + ("" if has_trl else " (trl not installed: not measured)"))
+            targets.append(target(what, ratio, f">= {WANTED[name]}", ratio is not None and ratio >= WANTED[name]))
+        if t is not None:
+            rows.append([f"{name}: TRL {t['trl']}", t["step_s"], "", "", "", "", t["tokens_per_s"], ""])
+        if len(arbor_runs) == 2:     # overlap's own gain, paired by round
+            entry["overlap_speedup"] = median([y["tokens_per_s"] / x["tokens_per_s"]
+                                               for x, y in zip(arbor_runs[False], arbor_runs[True])])
         result["workloads"][name] = entry
     print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}, median of {steps} steps"
                 + (f" × {rounds} rounds (ratio: median of the rounds' ratios)" if rounds > 1 else ""),
@@ -164,10 +216,12 @@ def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps
     def plot(plt):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = list(result["workloads"])
-        left = [0.0] * len(names)
-        for k in PHASES:
-            vals = [result["workloads"][n]["arbor"]["phases_s"][k] for n in names]
-            ax.barh([f"{n}: Arbor" for n in names], vals, left=left, label=k[:-2])
+        bars = [(f"{n}: Arbor" + (" overlap" if key == "arbor_overlap" else ""), result["workloads"][n][key]["phases_s"])
+                for n in names for key in ("arbor", "arbor_overlap") if key in result["workloads"][n]]
+        left = [0.0] * len(bars)
+        for i, k in enumerate(PHASES):
+            vals = [ph[k] for _, ph in bars]
+            ax.barh([b for b, _ in bars], vals, left=left, label=k[:-2], color=f"C{i}")
             left = [x + y for x, y in zip(left, vals)]
         trl_names = [n for n in names if "trl" in result["workloads"][n]]
         if trl_names:
@@ -193,6 +247,8 @@ def add_arguments(p) -> None:
     p.add_argument("--trl", default="auto", choices=["auto", "on", "off"],
                    help="run TRL's GRPOTrainer for the ratio (auto: when trl is importable)")
     p.add_argument("--trl-timeout", type=float, default=1200.0, help="seconds before the TRL subprocess is killed")
+    p.add_argument("--overlap", default="off", choices=sorted(VARIANTS),
+                   help="Arbor with rollout.overlap=true: off, on (only), both (alternated, with the gain)")
 
 
 def main(args) -> None:
@@ -208,4 +264,4 @@ def main(args) -> None:
     workloads = ("trl", "agentic") if args.workload == "both" else (args.workload,)
     run(out_dir=args.out, model=args.model, workloads=workloads, steps=steps, threads=args.threads,
         engine_dtype=args.engine_dtype, device=args.device, trl=args.trl, prompts=args.prompts,
-        trl_timeout=args.trl_timeout, rounds=args.rounds)
+        trl_timeout=args.trl_timeout, rounds=args.rounds, overlap=args.overlap)
