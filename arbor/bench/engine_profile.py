@@ -83,7 +83,8 @@ def build(a):
     prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(rng.randint(*a.prompt_tokens))]
                for _ in range(a.requests)]
     engine = LLMEngine(model, EngineConfig(dtype=a.dtype, max_num_seqs=a.requests, num_blocks=a.requests * 48,
-                                           max_model_len=a.prompt_tokens[1] + a.new_tokens + 16))
+                                           max_model_len=a.prompt_tokens[1] + a.new_tokens + 16,
+                                           share_weights=False))   # its own (packed) copy, as in bench engine
     return engine, prompts, SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
 
 
