@@ -25,5 +25,5 @@ def make_trainer(cfg: RLConfig, model, tok) -> RLTrainer:
     model = copy.deepcopy(model)
     engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
                                    cfg.rollout.max_context + 64, None, cfg.engine_noise_dist, cfg.engine_noise_frac,
-                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers)
+                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers, cfg.engine_share_weights)
     return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task))

@@ -67,7 +67,8 @@ def demo(cfg: DemoConfig) -> dict:
         if "trainer" not in built:
             engine, sampling = make_engine(model, tok, cfg.rl.engine_dtype, cfg.rl.device,
                                            max_model_len=cfg.rl.rollout.max_context + 64,
-                                           policy=cfg.rl.rollout.policy, pd_segment_layers=cfg.rl.rollout.pd_segment_layers)
+                                           policy=cfg.rl.rollout.policy, pd_segment_layers=cfg.rl.rollout.pd_segment_layers,
+                                           share_weights=cfg.rl.engine_share_weights)
             built["trainer"] = RLTrainer(cfg.rl, model, tok, engine, sampling, get_task(cfg.rl.task))
         return built["trainer"]
 

@@ -2,8 +2,9 @@
 
 Colocated runtime: trainer and engine live in one process. When the engine runs in the trainer's
 dtype on the same device it shares the trainer's parameter tensors, so a weight sync moves no
-data; otherwise ``engine.update_weights`` copies into the engine's own tensors. Either way the
-sync time is logged every step.
+data; otherwise (or with ``engine_share_weights=false``: a float32 CPU engine then runs its own
+oneDNN-packed copy) ``engine.update_weights`` copies into the engine's own tensors and repacks
+them. Either way the sync time is logged every step.
 
 C3PO++ (``c3po.enabled``): each iteration generates until finished groups hold ``token_budget``
 model tokens (Φ), keeping at most ``capacity`` groups in flight (Ω); unfinished rollouts carry
@@ -91,6 +92,7 @@ class RLConfig:
     ppo_epochs: int = 1          # passes over each step's samples
     mini_batches: int = 1        # optimizer steps per pass (each on 1/mini_batches of the samples)
     engine_dtype: str = "float32"
+    engine_share_weights: bool = True    # false: the engine keeps its own copy even in the trainer's dtype (float32 on CPU: oneDNN-packed), refreshed every sync
     engine_logit_noise: float = 0.0      # std (scale) of noise added to the engine's logits (mismatch studies)
     engine_noise_dist: str = "normal"    # normal | cauchy (heavy-tailed)
     engine_noise_frac: float = 1.0       # fraction of sampled positions that get the noise
@@ -125,6 +127,7 @@ class RLConfig:
               (self.advantage in ("grpo", "rloo"), "advantage", "must be grpo or rloo"),
               (self.ppo_epochs >= 1, "ppo_epochs", "must be ≥ 1"), (self.mini_batches >= 1, "mini_batches", "must be ≥ 1"),
               (self.engine_dtype in ("float32", "bfloat16", "float16"), "engine_dtype", "must be float32, bfloat16 or float16"),
+              (isinstance(self.engine_share_weights, bool), "engine_share_weights", "must be true or false"),
               (self.engine_logit_noise >= 0, "engine_logit_noise", "must be ≥ 0"),
               (self.engine_noise_dist in NOISE_DISTS, "engine_noise_dist", f"must be one of {NOISE_DISTS}"),
               (0 <= self.engine_noise_frac <= 1, "engine_noise_frac", "must be in [0, 1]"),
@@ -148,7 +151,9 @@ class RLTrainer:
         if self.overlap:
             if self.ctx.distributed:
                 raise ValueError("rollout.overlap=true runs on one rank; under `arbor launch` set rollout.overlap=false")
-            model = copy.deepcopy(model)   # the engine keeps serving θ_t while this copy trains to θ_t+1
+            served = getattr(getattr(engine, "engine", None), "model", None)
+            if served is None or served is model:   # the engine keeps serving θ_t while this copy trains to θ_t+1
+                model = copy.deepcopy(model)        # (an engine with its own copy needs none)
         self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
         self.prefetched = None             # overlap: the next step's (trees, pool, stats), rolled out at θ_t
         self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="arbor-rollout") if self.overlap else None

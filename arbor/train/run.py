@@ -19,14 +19,16 @@ DTYPES = torch_dtypes()
 
 def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", logit_noise: float = 0.0,
                 max_model_len: int = 1024, ctx=None, noise_dist: str = "normal", noise_frac: float = 1.0,
-                policy: str = "mixed", pd_segment_layers: int = 1):
-    """→ (AsyncLLMEngine, sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos))."""
+                policy: str = "mixed", pd_segment_layers: int = 1, share_weights: bool = True):
+    """→ (AsyncLLMEngine, sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos)).
+    ``share_weights=False``: even in the trainer's dtype the engine keeps its own copy (on CPU in
+    float32: oneDNN-packed linears), which ``update_weights`` refreshes and repacks."""
     from arbor.engine import AsyncLLMEngine, EngineConfig, SamplingParams
     if dtype not in DTYPES:
         raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got '{dtype}'")
     cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len,
                        logit_noise_dist=noise_dist, logit_noise_frac=noise_frac, policy=policy,
-                       pd_segment_layers=pd_segment_layers)
+                       pd_segment_layers=pd_segment_layers, share_weights=share_weights)
     engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer, ctx=ctx)
     eos, moe = tokenizer.eos_token_id, bool(model.config.moe_layers)
 
@@ -55,7 +57,7 @@ def build_trainer(cfg):
     tok = Tokenizer.load(cfg.model)
     engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
                                    cfg.rollout.max_context + 64, ctx, cfg.engine_noise_dist, cfg.engine_noise_frac,
-                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers)
+                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers, cfg.engine_share_weights)
     return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task), ctx)
 
 

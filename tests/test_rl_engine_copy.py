@@ -1,0 +1,107 @@
+"""``engine_share_weights=false``: a float32 engine keeps its own (on CPU oneDNN-packed) copy of the
+trainer's weights, so every sync must copy *and* repack it; the engine's log-probs then match the
+trainer's at the weights just trained, up to the packed GEMM's summation order."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from arbor.bench.rl_setup import make_trainer
+from arbor.engine import cpu_linear
+from arbor.models import CausalLM, ModelConfig
+from arbor.models.tokenizer import builtin_tokenizer
+from arbor.rollout.collector import RolloutConfig
+from arbor.train.logprobs import packed_logprobs
+from arbor.train.optim import OptimConfig
+from arbor.tasks.registry import get_task
+from arbor.train.rl import C3POConfig, RLConfig, RLTrainer
+from arbor.train.run import make_engine
+
+SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = builtin_tokenizer()
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id)).eval(), tok
+
+
+def config(**kw) -> RLConfig:
+    base = dict(task="longtail", seed=0, groups_per_step=4, checkpoint_every=0, out="runs/test",
+                rollout=RolloutConfig(max_turn_tokens=24, max_context=200, temperature=1.0, branch=[4]),
+                optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), c3po=C3POConfig(enabled=False))
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def gap(trainer, trajs) -> float:
+    """Largest |engine log-prob − trainer log-prob at the trainer's current weights| over model tokens."""
+    with torch.no_grad():
+        logp, cu = packed_logprobs(trainer.model, [t.tokens for t in trajs])
+    worst = 0.0
+    for j, t in enumerate(trajs):
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        worst = max(worst, float((logp[cu[j]:cu[j + 1]][mask] - torch.tensor(t.logp_infer)[mask]).abs().max()))
+    return worst
+
+
+def trajectories(trainer):
+    trees, _, _ = asyncio.run(trainer.collect())
+    return [t for tree in trees for t in tree.trajectories()]
+
+
+def test_own_copy_is_refreshed_after_every_step(tiny, one_thread, monkeypatch):
+    model, tok = tiny
+    trainer = make_trainer(config(engine_share_weights=False), model, tok)
+    served = trainer.engine.engine.model
+    assert served is not trainer.model
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(served.parameters(), trainer.model.parameters()))
+    if cpu_linear.available(torch.float32):
+        assert trainer.engine.engine.num_packed > 0
+    assert gap(trainer, trajectories(trainer)) < 1e-4
+    for _ in range(2):
+        row = asyncio.run(trainer.train_step())
+        assert row["optimizer_steps"] == 1
+        assert gap(trainer, trajectories(trainer)) < 1e-4     # the copy (and its packed GEMMs) moved too
+    # the check has teeth: a sync that copies the parameters but leaves a packed copy stale is caught
+    if trainer.engine.engine.num_packed:
+        monkeypatch.setattr("arbor.engine.llm_engine.repack", lambda model: None)
+        asyncio.run(trainer.train_step())
+        assert gap(trainer, trajectories(trainer)) > 1e-3
+
+
+def test_own_copy_trains_like_the_shared_engine(tiny, one_thread):
+    """Same seed, same sampled tokens (the copy rounds differently only in the last bits)."""
+    model, tok = tiny
+    rows = {}
+    for share in (True, False):
+        trainer = make_trainer(config(engine_share_weights=share), model, tok)
+        first = trajectories(trainer)
+        rows[share] = [t.tokens for t in first]
+    assert rows[True] == rows[False]
+
+
+def test_engine_share_weights_is_validated():
+    with pytest.raises(ValueError, match="engine_share_weights"):
+        config(engine_share_weights="no").validate()
+
+
+def test_overlap_with_an_own_copy_trains_the_given_model(tiny, one_thread):
+    """``rollout.overlap`` needs the engine to serve weights the optimizer cannot reach mid-rollout;
+    an engine with its own copy already does, so the trainer trains the model it was given (no
+    second copy) and each sync still refreshes the engine's."""
+    from arbor.train.rl import RLRolloutConfig
+    model, tok = tiny
+    cfg = config(engine_share_weights=False,
+                 rollout=RLRolloutConfig(max_turn_tokens=24, max_context=200, temperature=1.0, branch=[4], overlap=True))
+    given = copy.deepcopy(model)
+    engine, sampling = make_engine(given, tok, max_model_len=264, share_weights=False)
+    trainer = RLTrainer(cfg, given, tok, engine, sampling, get_task(cfg.task))
+    rows = [asyncio.run(trainer.train_step()) for _ in range(3)]
+    assert trainer.model is given and trainer.engine.engine.model is not given
+    assert [r["staleness"] for r in rows] == [0, 1, 1]
+    assert gap(trainer, trajectories(trainer)) < 1e-4
