@@ -95,3 +95,13 @@ def test_rounds_merge_to_medians():
     runs = [{"step_s": s, "tokens_per_s": 1 / s, "tokens_per_step": 1, "phases_s": {k: s for k in PHASES}} for s in (1, 3, 2)]
     m = merge_rounds(runs)
     assert m["step_s"] == 2 and m["tokens_per_s"] == 1 / 2 and m["phases_s"]["train_s"] == 2 and len(m["rounds"]) == 3
+
+
+def test_bench_rl_engine_own_copy(tmp_path, model_dir, one_thread):
+    """``--engine-share-weights false``: the float32 engine runs its own copy, synced every step."""
+    main(["bench", "rl", "--out", str(tmp_path), "--model", str(model_dir), "--workload", "trl", "--steps", "1",
+          "--prompts", "1", "--trl", "off", "--threads", "1", "--engine-share-weights", "false"])
+    result = json.loads((tmp_path / "rl.json").read_text())
+    assert result["config"]["engine_share_weights"] is False
+    a = result["workloads"]["trl"]["arbor"]
+    assert a["tokens_per_step"] == 4 * 32 and a["phases_s"]["sync_s"] > 0

@@ -25,6 +25,8 @@ rollout on a thread of its own while this step trains, the torch threads split b
 rollout, and ``rollout_ahead_s`` the rollout's own time. ``--threads N`` below the CPUs this
 process may use also pins the whole bench (Arbor's threads and the TRL subprocess) to N CPUs, so
 that a thread budget is a core budget for every system, overlapped or not.
+``--engine-share-weights false`` (``engine_share_weights``) gives a float32 engine its own copy of
+the weights (oneDNN-packed on CPU), copied and repacked at every sync, instead of the trainer's.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def arbor_trainer(model_dir, w: Workload, steps: int, engine_dtype: str, device:
                    rollout=RLRolloutConfig(max_turn_tokens=w.new_tokens, max_context=w.max_context, branch=list(w.branch),
                                            end_on_truncation=False, overlap=overlap), **overrides)
     cfg.validate()
-    engine, sampling = make_engine(model, tok, engine_dtype, device, max_model_len=w.max_context + 64)
+    engine, sampling = make_engine(model, tok, engine_dtype, device, max_model_len=w.max_context + 64,
+                                   share_weights=cfg.engine_share_weights)
     return RLTrainer(cfg, model, tok, engine, sampling, make_task(w, tok))
 
 
@@ -173,7 +176,8 @@ def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts,
         raise SystemExit("--trl on: the trl package is not importable (pip install trl)")
     result = {"config": {"model": str(model_dir), "steps": steps, "rounds": rounds, "threads": threads,
                          "engine_dtype": engine_dtype, "device": device, "trl": has_trl, "overlap": overlap,
-                         "cpus": cpus}, "workloads": {}}
+                         "cpus": cpus, "engine_share_weights": overrides.get("engine_share_weights", True)},
+              "workloads": {}}
     rows, targets = [], []
     for name in workloads:
         w = workload(name, prompts)
@@ -207,7 +211,8 @@ def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts,
             entry["overlap_speedup"] = median([y["tokens_per_s"] / x["tokens_per_s"]
                                                for x, y in zip(arbor_runs[False], arbor_runs[True])])
         result["workloads"][name] = entry
-    print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}, median of {steps} steps"
+    own = "" if overrides.get("engine_share_weights", True) else " (own copy)"
+    print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}{own}, median of {steps} steps"
                 + (f" × {rounds} rounds (ratio: median of the rounds' ratios)" if rounds > 1 else ""),
                 ["system", "s/step", "rollout ms", "recompute ms", "train ms", "sync ms", "trained tok/s", "÷ TRL"], rows)
     result["targets"] = targets
@@ -243,6 +248,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=1, help="Arbor/TRL runs alternated per workload (medians over rounds)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--engine-share-weights", default="true", choices=["true", "false"],
+                   help="false: the engine keeps its own copy even in float32 (oneDNN-packed on CPU; engine_share_weights)")
     p.add_argument("--prompts", type=int, help="groups per step (default: 8 for trl, 2 for agentic)")
     p.add_argument("--trl", default="auto", choices=["auto", "on", "off"],
                    help="run TRL's GRPOTrainer for the ratio (auto: when trl is importable)")
@@ -264,4 +271,5 @@ def main(args) -> None:
     workloads = ("trl", "agentic") if args.workload == "both" else (args.workload,)
     run(out_dir=args.out, model=args.model, workloads=workloads, steps=steps, threads=args.threads,
         engine_dtype=args.engine_dtype, device=args.device, trl=args.trl, prompts=args.prompts,
-        trl_timeout=args.trl_timeout, rounds=args.rounds, overlap=args.overlap)
+        trl_timeout=args.trl_timeout, rounds=args.rounds, overlap=args.overlap,
+        engine_share_weights=args.engine_share_weights == "true")
