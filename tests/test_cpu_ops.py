@@ -1,5 +1,6 @@
-"""The fused bfloat16 CPU ops (RMSNorm, q/k-norm + RoPE) equal the PyTorch expressions they
-replace, serve only inference-mode bfloat16 CPU forwards, and leave the engine's tokens unchanged."""
+"""The fused CPU ops (RMSNorm, q/k-norm + RoPE, SwiGLU's silu · mul) equal the PyTorch expressions
+they replace, serve only inference-mode forwards (bfloat16, and float32 on a copy the engine owns),
+and leave the engine's tokens unchanged."""
 
 import pytest
 import torch
@@ -15,8 +16,12 @@ BF = torch.bfloat16
 
 
 def assert_matches(got, ref):
-    """Equal but for rare one-step roundings (the float32 sum of squares in another order)."""
+    """Equal but for rare one-step roundings (the float32 sum of squares in another order);
+    float32: equal to a few ulps."""
     assert got.shape == ref.shape and got.dtype == ref.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        return
     assert (got == ref).float().mean() > 0.9999
     assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
 
@@ -32,20 +37,31 @@ def test_rms_norm_matches_pytorch():
     assert_matches(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
 @pytest.mark.parametrize("rotary_dim", [64, 16])                     # full and partial (Qwen3-Next) rotary
-def test_qk_norm_rope_matches_pytorch(rotary_dim):
+def test_qk_norm_rope_matches_pytorch(rotary_dim, dtype):
     torch.manual_seed(1)
     T = 500
-    qkv = torch.randn(T, 64 * 8).to(BF)
+    qkv = torch.randn(T, 64 * 8).to(dtype)
     q, k = qkv[:, :256].view(T, 4, 64), qkv[:, 256:384].view(T, 2, 64)   # views of a fused projection
-    wq, wk = [(torch.randn(64) * 0.3 + 1).to(BF) for _ in range(2)]
-    cos, sin = Rotary(rotary_dim, 1e6)(torch.randint(0, 4000, (T,)), BF)
+    wq, wk = [(torch.randn(64) * 0.3 + 1).to(dtype) for _ in range(2)]
+    cos, sin = Rotary(rotary_dim, 1e6)(torch.randint(0, 4000, (T,)), dtype)
     with torch.inference_mode():
         got = cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-6)
     weight = torch.cat((wq.expand(4, 64), wk.expand(2, 64)))
     ref = apply_rope(rms_norm(torch.cat((q, k), 1), weight, 1e-6), cos, sin).split((4, 2), 1)
     for g, r in zip(got, ref):
         assert_matches(g, r)
+
+
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_silu_mul_matches_pytorch(dtype):
+    torch.manual_seed(2)
+    gate, up = (torch.randn(300, 2 * 384) * 4).to(dtype).chunk(2, -1)   # halves of one fused GEMM: strided rows
+    gate[0, :4] = torch.tensor([-200.0, -88.0, 88.0, 200.0])            # beyond e^x's range: clamped, still exact
+    with torch.inference_mode():
+        got = cpu_ops.silu_mul(gate, up)
+    assert_matches(got, torch.nn.functional.silu(gate) * up)
 
 
 def test_ops_serve_only_inference_mode_bf16_cpu(monkeypatch):
@@ -61,6 +77,33 @@ def test_ops_serve_only_inference_mode_bf16_cpu(monkeypatch):
     with torch.inference_mode():
         rms_norm(torch.randn(4, 32).to(BF), w, 1e-6)
     assert calls == [1]
+    x = torch.randn(4, 32)
+    with torch.inference_mode():                                      # float32 only on an engine-owned copy
+        assert not cpu_ops.use(x) and cpu_ops.use(x, owned=True)
+    assert not cpu_ops.use(x, owned=True) and not cpu_ops.use(x.to(BF))   # never outside inference mode
+
+
+def test_float32_fused_ops_only_on_the_engines_own_copy(monkeypatch):
+    """A shared float32 model keeps the PyTorch ops (the trainer's log-probs bit for bit); the
+    engine's own packed copy runs the fused ops with the same greedy tokens."""
+    calls = []
+    real_qk, real_sm = cpu_ops.qk_norm_rope, cpu_ops.silu_mul
+    monkeypatch.setattr(cpu_ops, "qk_norm_rope", lambda *a: calls.append("qk") or real_qk(*a))
+    monkeypatch.setattr(cpu_ops, "silu_mul", lambda *a: calls.append("sm") or real_sm(*a))
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**TINY)).eval()
+    prompts = [[1, 2, 3], list(range(5, 45)), [9] * 20]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    shared = LLMEngine(model, EngineConfig(num_blocks=64)).generate(prompts, params)
+    assert not calls
+    own = LLMEngine(model, EngineConfig(num_blocks=64, share_weights=False, fp32_gemm="onednn"))
+    if not own.num_packed:
+        pytest.skip("no oneDNN float32 packing here")
+    fused = own.generate(prompts, params)
+    assert "qk" in calls and "sm" in calls
+    assert [o.token_ids for o in fused] == [o.token_ids for o in shared]
+    for a, b in zip(fused, shared):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
 def test_bf16_engine_tokens_do_not_change(monkeypatch):
@@ -70,7 +113,7 @@ def test_bf16_engine_tokens_do_not_change(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     cfg = EngineConfig(dtype="bfloat16", num_blocks=64)
     fused = LLMEngine(model, cfg).generate(prompts, params)
-    monkeypatch.setattr(cpu_ops, "use", lambda x: False)
+    monkeypatch.setattr(cpu_ops, "use", lambda x, owned=False: False)
     plain = LLMEngine(model, cfg).generate(prompts, params)
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
     for a, b in zip(fused, plain):

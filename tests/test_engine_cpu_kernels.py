@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
-from arbor.engine.cpu_linear import PackedExperts, PackedLinear, available as packing_available
-from arbor.models.moe import Experts
+from arbor.engine.cpu_linear import DENSE_MAX_TOKENS, PackedExperts, PackedLinear, available as packing_available
+from arbor.models.moe import Experts, dispatch_experts
 from arbor.models import CausalLM, ModelConfig
 from tests.conftest import TINY
 
@@ -105,8 +105,11 @@ def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
 
 
 @pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
-def test_packing_leaves_hybrid_moe_outputs_bit_identical():
-    """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert."""
+def test_packing_keeps_hybrid_moe_outputs():
+    """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert: the
+    packed per-expert GEMMs are bit-identical; a decode step of ≤ DENSE_MAX_TOKENS tokens runs every
+    expert as two dense GEMMs (another summation order): the same greedy tokens, log-probs within
+    bfloat16 rounding; new weights reach both packed copies."""
     import copy
     from tests.test_model_attention import HYBRID
     torch.manual_seed(0)
@@ -121,14 +124,32 @@ def test_packing_leaves_hybrid_moe_outputs_bit_identical():
         e = experts[0]
         rows = [x[:3], x[:0], x[3:], x[:1]] + [x[:0]] * (e.gate_up_proj.shape[0] - 4)
         assert torch.equal(e.grouped(rows), Experts.grouped(e, rows))
+        ids = torch.stack([torch.randperm(e.num_experts)[:2] for _ in range(7)])
+        w = torch.rand(7, 2).bfloat16()
+        torch.testing.assert_close(e.dense(x, ids, w), dispatch_experts(x, ids, w, plain_experts(e)),
+                                   atol=2e-2, rtol=2e-2)
+        assert e.dense(torch.randn(DENSE_MAX_TOKENS + 1, x.shape[1]).bfloat16(), ids, w) is None   # many tokens
     prompts = [[t % 64 for t in p] for p in PROMPTS]
-    assert greedy(packed, prompts) == greedy(plain, prompts)
+    assert_same_tokens(greedy(packed, prompts), greedy(plain, prompts))
     with torch.no_grad():                                           # new weights reach the packed copies
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     packed.update_weights(model.state_dict())
-    assert greedy(packed, prompts) == greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
-                                                       EngineConfig(dtype="bfloat16", num_blocks=64)), prompts)
+    assert_same_tokens(greedy(packed, prompts), greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
+                                                                 EngineConfig(dtype="bfloat16", num_blocks=64)), prompts))
+
+
+def plain_experts(packed):
+    """An ``Experts`` with the packed module's parameters (the unpacked reference path)."""
+    plain = Experts(packed.num_experts, packed.gate_up_proj.shape[2], packed.down_proj.shape[2])
+    plain.load_state_dict(packed.state_dict())
+    return plain.to(packed.gate_up_proj.dtype)
+
+
+def assert_same_tokens(got, ref, atol=0.05):
+    """Greedy (tokens, log-probs) of two engines: the same tokens, log-probs within ``atol``."""
+    assert got[0] == ref[0]
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(ref[1]), atol=atol, rtol=0)
 
 
 @pytest.mark.skipif(not packing_available(torch.float32), reason="PyTorch built without oneDNN")

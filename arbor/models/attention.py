@@ -153,6 +153,7 @@ class SoftmaxAttention(nn.Module):
     yields a per-channel gate and the output is ``o_proj(attn · sigmoid(gate))``."""
 
     fused_qkv = None   # optional x → [q | k | v] in one GEMM (the engine's packed CPU copy), see cpu_linear
+    engine_owned = False   # set on the engine's own CPU copy: float32 may use the fused C ops too
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -172,7 +173,7 @@ class SoftmaxAttention(nn.Module):
     def norm_and_rotate(self, q, k, cos, sin):
         """q_norm / k_norm, then RoPE, as one norm and one rotation over the heads of both."""
         wq, wk = self.q_norm.weight, self.k_norm.weight
-        if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q):   # the engine, bf16 CPU
+        if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q, self.engine_owned):
             return cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps)
         hq, hk, d = q.shape[1], k.shape[1], self.head_dim
         weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))

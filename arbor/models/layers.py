@@ -74,6 +74,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class MLP(nn.Module):
     fused_gate_up = None   # optional x → [gate | up] in one GEMM (the engine's packed CPU copy)
+    engine_owned = False   # set on the engine's own CPU copy: float32 may use the fused C ops too
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -83,4 +84,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up, self.engine_owned))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, engine_owned: bool = False) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) · up``; one fused C op in the engine's CPU forwards (``cpu_ops``)."""
+    if gate.dim() == 2 and cpu_ops.use(gate, engine_owned):
+        return cpu_ops.silu_mul(gate, up)
+    return F.silu(gate) * up
