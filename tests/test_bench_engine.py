@@ -17,7 +17,7 @@ def test_shapes_decode_like_transformers(shape, one_thread):
     hf, model = bench.build_pair("cpu", shape)
     reqs = bench.make_workloads(shape, argparse.Namespace(batch=3, prompt_len=12, new_tokens=6, mixed=0,
                                                           mixed_prompt_tokens=None))["batch3"]
-    ours = bench.arbor_runner(model, "float32", "cpu", reqs)()
+    ours = bench.arbor_runner(bench.arbor_engine(model, "float32", "cpu", {"batch3": reqs}), reqs)()
     assert ours == bench.hf_runner(hf, reqs, 2, "cpu")()
 
 

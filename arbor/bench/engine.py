@@ -25,6 +25,7 @@ dtype at a time: its systems are built, timed on every workload and freed before
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import random
 import tempfile
@@ -135,10 +136,15 @@ def hf_runner(hf, reqs, hf_batch, device):
     return run
 
 
-def arbor_runner(model, dtype, device, reqs):
-    blocks = sum(-(-(len(p) + m) // 16) for p, m in reqs) + 16
-    eng = engine(model, dtype, device, num_blocks=blocks, max_num_seqs=len(reqs), share_weights=False)   # its own
-    # copy, as vLLM loads one: packed for oneDNN in float32 as in bfloat16
+def arbor_engine(model, dtype, device, workloads):
+    """One engine for every workload of a dtype, with KV blocks for the largest all at once: its own
+    copy of the weights, as vLLM loads one (packed for oneDNN in float32 as in bfloat16)."""
+    blocks = max(sum(-(-(len(p) + m) // 16) for p, m in reqs) for reqs in workloads.values()) + 16
+    return engine(model, dtype, device, num_blocks=blocks, max_num_seqs=max(map(len, workloads.values())),
+                  share_weights=False)
+
+
+def arbor_runner(eng, reqs):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
     return lambda: [o.token_ids for o in fresh_generate(eng, [p for p, _ in reqs], params)]
 
@@ -213,18 +219,20 @@ def run(a) -> dict:
     with tempfile.TemporaryDirectory(prefix="arbor-bench-engine-") as tmp:
         for short in a.dtypes:
             dtype = DTYPES[short]
-            hf = hf32 if dtype == "float32" else copy.deepcopy(hf32).to(torch.bfloat16)
+            hf = None if "transformers" not in systems else \
+                hf32 if dtype == "float32" else copy.deepcopy(hf32).to(torch.bfloat16)
             vllm = start_vllm(a, hf32, {k: [list(r) for r in v] for k, v in workloads.items()}, dtype, Path(tmp)) \
                 if "vllm" in systems else None
             if vllm:
                 result["vllm_version"] = vllm.version
+            eng = arbor_engine(model, dtype, device, workloads) if "arbor" in systems else None
             try:
                 for wname, reqs in workloads.items():
                     fns = {}
                     if "transformers" in systems:
                         fns["transformers"] = hf_runner(hf, reqs, a.hf_batch, device)
-                    if "arbor" in systems:
-                        fns["arbor"] = arbor_runner(model, dtype, device, reqs)
+                    if eng:
+                        fns["arbor"] = arbor_runner(eng, reqs)
                     if vllm:
                         fns["vllm"] = lambda w=wname: (vllm.run(w), vllm.last_seconds)
                     times, tokens = time_rounds(fns, a.repeats)
@@ -240,7 +248,8 @@ def run(a) -> dict:
             finally:
                 if vllm:
                     vllm.close()
-            del hf
+            del hf, eng, fns
+            gc.collect()                    # the engine's copy and KV cache go before the next dtype's
     if a.shape == "tiny" and a.multiturn:
         result["multiturn"] = run_multiturn(model, device, a.repeats)
 
