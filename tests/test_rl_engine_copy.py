@@ -10,8 +10,6 @@ import torch
 
 from arbor.bench.rl_setup import make_trainer
 from arbor.engine import cpu_linear
-from arbor.models import CausalLM, ModelConfig
-from arbor.models.tokenizer import builtin_tokenizer
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.optim import OptimConfig
@@ -19,15 +17,7 @@ from arbor.tasks.registry import get_task
 from arbor.train.rl import C3POConfig, RLConfig, RLTrainer
 from arbor.train.run import make_engine
 
-SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    tok = builtin_tokenizer()
-    torch.manual_seed(0)
-    return CausalLM(ModelConfig(**SMALL, eos_token_id=tok.eos_token_id)).eval(), tok
+from tests.test_rl_loop import tiny  # noqa: F401  (the module-scoped tiny model fixture)
 
 
 def config(**kw) -> RLConfig:

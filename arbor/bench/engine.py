@@ -24,7 +24,6 @@ dtype at a time: its systems are built, timed on every workload and freed before
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import json
@@ -172,10 +171,9 @@ def start_vllm(a, hf_config, workloads, dtype, tmp: Path):
     model_dir = tmp / "model"
     if not (tmp / "workloads.json").exists():
         (tmp / "workloads.json").write_text(json.dumps(workloads))
-    hf = argparse.Namespace(config=hf_config)
     longest = max(len(p) + m for reqs in workloads.values() for p, m in reqs)
     tokens = max(sum(len(p) + m for p, m in reqs) for reqs in workloads.values())   # the largest workload's KV
-    kv_bytes = tokens * 2 * hf.config.num_hidden_layers * hf.config.num_key_value_heads * hf.config.head_dim * \
+    kv_bytes = tokens * 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * hf_config.head_dim * \
         (4 if dtype == "float32" else 2)
     return VLLMProcess(a.vllm_python, model_dir, tmp / "workloads.json", dtype, torch.get_num_threads(),
                        max_model_len=-(-longest // 16) * 16 + 16, kv_gib=max(1, int(kv_bytes * 1.3 / 2 ** 30) + 1))
@@ -236,6 +234,7 @@ def run(a) -> dict:
             if vllm:
                 result["vllm_version"] = vllm.version
             eng = arbor_engine(source, dtype, device, workloads) if "arbor" in systems else None
+            fns = {}                        # the last workload's runners hold the engine until freed below
             try:
                 for wname, reqs in workloads.items():
                     fns = {}

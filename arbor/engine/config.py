@@ -35,8 +35,8 @@ class EngineConfig:
     may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
     oneDNN pre-packed weights (1.1–1.9× faster GEMMs here) and the fused C ops of
     ``arbor.models.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another order than ``F.linear``
-    and the PyTorch ops, so logits differ in the last bits | ``exact``: ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed
-    (bit-identical there; ``arbor.engine.cpu_linear``)."""
+    and the PyTorch ops, so logits differ in the last bits | ``exact``: ``F.linear`` and the PyTorch
+    ops. bfloat16 copies are always packed (bit-identical there; ``arbor.engine.cpu_linear``)."""
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.5
