@@ -8,8 +8,13 @@ each rank holding exactly L = E / W experts. Load of rank r: ℓ_r = Σ_{e on r}
 2. Local improvement: while some swap of expert x on the heaviest rank h with expert y on another
    rank o (d_x > d_y) leaves both below ℓ_h, make the one with the smallest max(ℓ_h − δ, ℓ_o + δ),
    δ = d_x − d_y. Each swap lowers the sorted load vector lexicographically, so it ends.
-3. Rank labels are permuted to keep as many experts as possible where ``current`` has them (ranks
-   are interchangeable; fewer experts then move).
+3. Fewer moves when there is a ``current`` placement (every expert that changes rank moves its
+   weights and optimizer moments): rank labels of the new placement are permuted to keep as many
+   experts as possible where ``current`` has them (ranks are interchangeable); and a second
+   candidate runs the swaps of step 2 from ``current`` itself, stopping as soon as its max load is
+   within ``tolerance`` (relative) of the new placement's. Of the two, the one with fewer moved
+   experts among those within the tolerance is kept, so the result never moves more experts than
+   the relabelled placement and its max load is at most (1 + tolerance) × that placement's.
 
 Lower bound on max_r ℓ_r for any placement with L experts per rank:
     LB = max(Σ d / W,  d_(1) + Σ of the L − 1 smallest other demands)
@@ -64,8 +69,9 @@ def lower_bound(demand, ep_size: int) -> float:
     return float(max(d.sum() / ep_size, d[0] + np.sort(d[1:])[:L - 1].sum() if len(d) else 0.0))
 
 
-def balanced(demand, ep_size: int, current: list[int] | None = None, max_swaps: int = 10_000) -> Placement:
-    """Greedy balanced packing, swap improvement, label matching (see module docstring)."""
+def balanced(demand, ep_size: int, current: list[int] | None = None, max_swaps: int = 10_000,
+             tolerance: float = 0.0) -> Placement:
+    """Greedy balanced packing, swap improvement, fewer moves from ``current`` (see module docstring)."""
     d = np.asarray(demand, dtype=float)
     E = len(d)
     _check(E, ep_size)
@@ -76,11 +82,33 @@ def balanced(demand, ep_size: int, current: list[int] | None = None, max_swaps: 
         open_ = np.flatnonzero(counts < L)
         r = open_[np.argmin(loads[open_])]
         rank_of[e], loads[r], counts[r] = r, loads[r] + d[e], counts[r] + 1
+    rank_of, loads = _swap_improve(rank_of, loads, d, ep_size, max_swaps)
+    if current is None:
+        return _finish(rank_of.tolist(), ep_size, d)
+    current = np.asarray(current)
+    if sorted(np.bincount(current, minlength=ep_size).tolist()) != [L] * ep_size or len(current) != E:
+        raise ValueError(f"current placement {current.tolist()} does not hold {L} experts on each of {ep_size} ranks")
+    fresh = _match_labels(rank_of, current, ep_size)
+    target = (1.0 + tolerance) * loads.max()
+    kept, kept_loads = _swap_improve(current.copy(), np.bincount(current, d, ep_size), d, ep_size, max_swaps,
+                                     stop_at=target)
+    moves = lambda r: int((r != current).sum())
+    if kept_loads.max() <= target + 1e-9 * max(target, 1.0) and moves(kept) <= moves(fresh):
+        return _finish(kept.tolist(), ep_size, d)
+    return _finish(fresh.tolist(), ep_size, d)
+
+
+def _swap_improve(rank_of: np.ndarray, loads: np.ndarray, d: np.ndarray, W: int, max_swaps: int,
+                  stop_at: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Step 2: best swaps off the heaviest rank while one lowers its load (or until max ≤ ``stop_at``)."""
+    rank_of, loads = rank_of.copy(), np.asarray(loads, dtype=float).copy()
     for _ in range(max_swaps):
         h = int(np.argmax(loads))
+        if stop_at is not None and loads[h] <= stop_at + 1e-9 * max(stop_at, 1.0):
+            break
         best = None
         xs = np.flatnonzero(rank_of == h)
-        for o in range(ep_size):
+        for o in range(W):
             if o == h:
                 continue
             ys = np.flatnonzero(rank_of == o)
@@ -96,9 +124,57 @@ def balanced(demand, ep_size: int, current: list[int] | None = None, max_swaps: 
         rank_of[x], rank_of[y] = o, h
         loads[h] -= delta
         loads[o] += delta
-    if current is not None:
-        rank_of = _match_labels(rank_of, np.asarray(current), ep_size)
-    return _finish(rank_of.tolist(), ep_size, d)
+    return rank_of, loads
+
+
+def refine(placements: list[Placement], slot_counts: np.ndarray, current: list[list[int]] | None = None,
+           move_rows: float = 0.0, max_swaps: int = 1_000) -> list[Placement]:
+    """Local improvement of each MoE layer's placement on the cost model's EP term for a fixed layout.
+
+    ``slot_counts`` [S, Lm, E]: routed copies per expert of each micro-batch slot's tokens (all DP
+    ranks of the EP group together), over every step the placements serve. Layer l's term is
+    Σ_s max_r Σ_{e on r} X[s, l, e] (each slot waits for its busiest EP rank); the aggregate balance of
+    ``balanced`` only bounds it from below. Swaps of two experts on different ranks (equal counts
+    kept) are made best first while one lowers the term. With ``current`` (each layer's present
+    ``rank_of``) every expert away from its current rank adds ``move_rows`` to the term (a migration's
+    seconds per expert in units of the cost model's seconds per routed row), so a swap must pay for
+    the experts it moves. → new placements (loads: the aggregate demand Σ_s X; the lower bound as
+    ``balanced``'s)."""
+    X = np.asarray(slot_counts, dtype=float)
+    out = []
+    for l, p in enumerate(placements):
+        W, x = p.ep_size, X[:, l]                                   # [S, E]
+        r = np.asarray(p.rank_of)
+        cur = None if current is None else np.asarray(current[l])
+        onehot = np.eye(W)
+        D = x[:, :, None] - x[:, None, :]                           # [S, E, E]: X[s, a] − X[s, b]
+        for _ in range(max_swaps):
+            loads = x @ onehot[r]                                   # [S, W]
+            now = loads.max(1).sum()
+            shift = onehot[r][None, :, :] - onehot[r][:, None, :]   # [E, E, W]: row a leaves r[a] for r[b]
+            new = (loads[:, None, None, :] + D[..., None] * shift[None]).max(-1).sum(0)   # [E, E]
+            if cur is not None and move_rows:
+                away = (r != cur).astype(float)                     # a swap: a goes to r[b], b to r[a]
+                now += move_rows * away.sum()
+                new += move_rows * (away.sum() - away[:, None] - away[None, :]
+                                    + (r[None, :] != cur[:, None]) + (r[:, None] != cur[None, :]))
+            new[r[:, None] == r[None, :]] = np.inf
+            a, b = np.unravel_index(np.argmin(new), new.shape)
+            if not new[a, b] < now - 1e-9 * max(now, 1.0):
+                break
+            r[a], r[b] = r[b], r[a]
+        out.append(_finish(r.tolist(), W, x.sum(0)))
+    return out
+
+
+def relabel(p: Placement, current: list[int]) -> Placement:
+    """``p`` with its rank labels permuted to keep the most experts where ``current`` has them
+    (same loads up to the permutation, same peaks)."""
+    r = _match_labels(np.asarray(p.rank_of), np.asarray(current), p.ep_size)
+    loads = np.zeros(p.ep_size)
+    loads[r[np.asarray([p.experts_of(k)[0] for k in range(p.ep_size)])]] = p.loads
+    return Placement([int(x) for x in r], _finish(r.tolist(), p.ep_size, np.zeros(len(r))).slot_of, p.ep_size,
+                     loads.tolist(), p.lower_bound)
 
 
 def _match_labels(rank_of: np.ndarray, current: np.ndarray, W: int) -> np.ndarray:

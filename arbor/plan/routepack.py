@@ -3,7 +3,9 @@
 ``routepack(samples, ep_size, dp_size, token_cap) -> Plan``:
 
 1. placement per MoE layer from the window's demand d_l[e] = Σ_i counts_i[l, e]
-   (``placement.balanced``; labels matched to ``current`` so fewer experts move);
+   (``placement.balanced``; experts kept where ``current`` has them as far as the balance allows),
+   then, once 2-4 have laid the window out, refined on the layout's slots (``placement.refine``:
+   the cost model's Σ_s max_r term) and 2-4 run again; the better window is kept (``plan_window``);
 2. rows: the samples packed into the fewest token-capped rows found, certified against
    max(L1, L2) (``packing.pack_rows``);
 3. grid: S = ⌈R / D⌉ slots per DP rank; the D·S − R missing rows come from splitting the rows with
@@ -118,23 +120,32 @@ def grid_start(rows: list[list[int]], lengths: np.ndarray, attn: np.ndarray, dp_
     return cell_of
 
 
-def place(samples: list[Sample], ep_size: int, current: list[list[int]] | None = None) -> list[pl.Placement]:
-    """Step 1: a balanced placement per MoE layer from the samples' aggregate demand."""
+def place(samples: list[Sample], ep_size: int, current: list[list[int]] | None = None,
+          tolerance: float = 0.0) -> list[pl.Placement]:
+    """Step 1: a balanced placement per MoE layer from the samples' aggregate demand; with ``current``,
+    as few experts moved as the balance allows (max load within ``tolerance`` of the fresh one's)."""
     d = demand(samples)
-    return [pl.balanced(d[l], ep_size, None if current is None else current[l]) for l in range(len(d))]
+    return [pl.balanced(d[l], ep_size, None if current is None else current[l], tolerance=tolerance)
+            for l in range(len(d))]
 
 
 def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int, cost: CostModel | None = None,
               current: list[list[int]] | None = None, anneal_cfg: AnnealConfig | None = None,
-              placements: list[pl.Placement] | None = None) -> Plan:
+              placements: list[pl.Placement] | None = None, tolerance: float = 0.0, move_s: float = 0.0) -> Plan:
     """The RoutePack plan of one window (see module docstring). ``current``: each MoE layer's present
-    ``rank_of`` (kept where it costs nothing). ``placements``: use these (e.g. one placement for a
-    window of several steps, each step packed and laid out on its own) instead of step 1."""
-    t0 = time.perf_counter()
+    ``rank_of`` (experts kept there while the max load stays within ``tolerance`` of the balanced
+    one's). ``placements``: use these (e.g. one placement for a window of several steps, each step
+    packed and laid out on its own; see ``plan_window``) instead of step 1 and its refinement."""
+    if placements is not None:
+        return _plan_step(samples, placements, ep_size, dp_size, token_cap, cost, anneal_cfg)
+    return plan_window([samples], ep_size, dp_size, token_cap, cost, current, anneal_cfg, tolerance, move_s)[0]
+
+
+def _plan_step(samples, places, ep_size, dp_size, token_cap, cost, anneal_cfg) -> Plan:
+    """Steps 2-4 for one step's samples under fixed placements."""
+    t1 = time.perf_counter()
     check_sizes(samples, ep_size, dp_size, token_cap)
     cost = cost or CostModel.load()
-    places = placements if placements is not None else place(samples, ep_size, current)
-    t1 = time.perf_counter()
     packing = pack_rows([s.length for s in samples], token_cap)
     t2 = time.perf_counter()
     slots = -(-len(packing.rows) // dp_size)
@@ -143,8 +154,65 @@ def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int,
     best, stats = anneal(prob, start, anneal_cfg)
     check_layout(prob, best)
     t3 = time.perf_counter()
-    stats.update(placement_s=t1 - t0, packing_s=t2 - t1, layout_s=t3 - t2, planner_s=t3 - t0)
+    stats.update(packing_s=t2 - t1, layout_s=t3 - t2, planner_s=t3 - t1)
     return Plan("routepack", cells_of(best, dp_size, slots), places, energy(prob, best), packing, stats)
+
+
+def slot_counts(plan: Plan, samples: list[Sample], ep_size: int) -> np.ndarray:
+    """[S·G, Lm, E]: routed copies per expert of each (slot, EP group) of ``plan``: what one MoE
+    exchange of that slot carries."""
+    out = []
+    for g in range(len(plan.cells) // ep_size):
+        for s in range(plan.slots):
+            out.append(sum(samples[i].expert_counts for d in range(g * ep_size, (g + 1) * ep_size)
+                           for i in plan.cells[d][s]))
+    return np.asarray(out, dtype=float)
+
+
+def moved(placements: list[pl.Placement], current: list[list[int]] | None) -> int:
+    """Experts (over all MoE layers) that change rank from ``current`` to ``placements``."""
+    if current is None:
+        return 0
+    return int(sum(np.sum(np.asarray(p.rank_of) != np.asarray(c)) for p, c in zip(placements, current)))
+
+
+def window_cost(plans: list[Plan], current: list[list[int]] | None, move_s: float) -> float:
+    """Modeled seconds of a window: its steps' energies plus ``move_s`` per expert migrated into it."""
+    return sum(p.energy for p in plans) + move_s * moved(plans[0].placements, current)
+
+
+def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap: int,
+                cost: CostModel | None = None, current: list[list[int]] | None = None,
+                anneal_cfg: AnnealConfig | None = None, tolerance: float = 0.0, move_s: float = 0.0) -> list[Plan]:
+    """One placement for a window of optimizer steps, each step packed and laid out on its own.
+
+    1. ``place`` on the window's aggregate demand (moves from ``current`` kept within ``tolerance``);
+    2. every step packed and laid out under it (``_plan_step``);
+    3. ``placement.refine`` on the EP term of those layouts' slots (Σ over the window's slots of each
+       layer's EP peak: what the cost model charges; with ``current``, plus ``move_s`` seconds per
+       expert away from its current rank, what migrating it costs), then every step laid out again under the
+       refined placement; the refined plans are kept only when the window's modeled time
+       (``window_cost``: Σ of the steps' energies + ``move_s`` per moved expert) is lower, so
+       refining never makes a window worse.
+    → one Plan per step, all with the same placements."""
+    cost = cost or CostModel.load()
+    for step in steps:
+        check_sizes(step, ep_size, dp_size, token_cap)
+    t0 = time.perf_counter()
+    places = place([x for step in steps for x in step], ep_size, current, tolerance)
+    plans = [_plan_step(step, places, ep_size, dp_size, token_cap, cost, anneal_cfg) for step in steps]
+    counts = np.concatenate([slot_counts(p, step, ep_size) for p, step in zip(plans, steps)])
+    refined = pl.refine(places, counts, current, move_s / cost.e if cost.e > 0 else 0.0)
+    if current is not None:           # relabelling leaves every slot's peak as it is
+        refined = [pl.relabel(q, current[l]) for l, q in enumerate(refined)]
+    if any(a.rank_of != b.rank_of for a, b in zip(refined, places)):
+        again = [_plan_step(step, refined, ep_size, dp_size, token_cap, cost, anneal_cfg) for step in steps]
+        if window_cost(again, current, move_s) < window_cost(plans, current, move_s):
+            plans = again
+    total = time.perf_counter() - t0
+    for p in plans:                   # the window's planner time, shared by its steps
+        p.stats.update(planner_s=total / len(steps), window_planner_s=total)
+    return plans
 
 
 def evaluate(plan_cells: list[list[list[int]]], placements: list[pl.Placement], samples: list[Sample], ep_size: int,
