@@ -169,3 +169,68 @@ def test_plan_package_imports_no_torch():
     import sys
     code = "import sys, arbor.plan, arbor.plan.traces; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def _moves(rank_of, current) -> int:
+    return int(np.sum(np.asarray(rank_of) != np.asarray(current)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_placement_from_current_never_moves_more_than_the_relabelled_one(seed):
+    from arbor.plan.placement import relabel
+    rng = np.random.default_rng(seed)
+    W, E = [(2, 8), (2, 16), (4, 16), (4, 8)][seed % 4]
+    d = rng.zipf(1.5, E).astype(float) + rng.random(E)
+    current = rng.permutation(np.repeat(np.arange(W), E // W)).tolist()
+    fresh = balanced(d, W)
+    relabelled = relabel(fresh, current)
+    assert sorted(relabelled.loads) == pytest.approx(sorted(fresh.loads))
+    assert _moves(relabelled.rank_of, current) <= _moves(fresh.rank_of, current)
+    for tol in (0.0, 0.02, 0.1, 1.0):
+        p = balanced(d, W, current=current, tolerance=tol)
+        assert sorted(p.rank_of) == sorted(list(range(W)) * (E // W))                 # equal experts per rank
+        assert np.allclose(p.loads, np.bincount(p.rank_of, d, W))                     # loads of its own placement
+        assert p.max_load <= (1 + tol) * fresh.max_load + 1e-9
+        assert _moves(p.rank_of, current) <= _moves(relabelled.rank_of, current)
+    assert balanced(d, W, current=current, tolerance=1e9).rank_of == current           # no gain worth a move
+
+
+def test_relabel_keeps_the_groups_and_their_loads():
+    from arbor.plan.placement import relabel
+    d = np.array([5.0, 1, 2, 7, 3, 3])
+    p = balanced(d, 3)
+    q = relabel(p, [2, 2, 1, 1, 0, 0])
+    assert sorted(map(sorted, (p.experts_of(r) for r in range(3)))) == sorted(map(sorted, (q.experts_of(r) for r in range(3))))
+    assert np.allclose(q.loads, np.bincount(q.rank_of, d, 3)) and q.max_load == p.max_load
+    assert _moves(q.rank_of, [2, 2, 1, 1, 0, 0]) <= _moves(p.rank_of, [2, 2, 1, 1, 0, 0])
+
+
+def test_refine_lowers_the_slot_peaks_and_pays_for_its_moves():
+    from arbor.plan.placement import contiguous, refine
+    rng = np.random.default_rng(0)
+    X = rng.integers(0, 50, (3, 2, 8)).astype(float)                     # 3 slots, 2 MoE layers, 8 experts
+    start = [contiguous(8, 2, X[:, l].sum(0)) for l in range(2)]
+    peaks = lambda p, l: (X[:, l] @ np.eye(2)[np.asarray(p.rank_of)]).max(1).sum()
+    out = refine(start, X)
+    for l in range(2):
+        best = min((X[:, l] @ np.eye(2)[[int(e in c) for e in range(8)]]).max(1).sum()
+                   for c in itertools.combinations(range(8), 4))
+        assert best <= peaks(out[l], l) <= peaks(start[l], l)
+        assert sorted(out[l].rank_of) == [0] * 4 + [1] * 4
+    assert peaks(out[0], 0) < peaks(start[0], 0)
+    current = [p.rank_of for p in start]
+    assert [p.rank_of for p in refine(start, X, current, move_rows=1e6)] == current     # no swap pays for its moves
+
+
+def test_plan_window_shares_a_placement_and_is_never_worse_than_unrefined():
+    from arbor.plan.routepack import place, plan_window, window_cost
+    steps = [trace(s, n=24, experts=8) for s in (11, 12)]
+    current = [[0, 1] * 4, [1, 0] * 4]
+    for move_s in (0.0, 0.05):
+        plans = plan_window(steps, 2, 2, 512, COST, current, FAST, tolerance=0.02, move_s=move_s)
+        assert len(plans) == 2 and all(p.placements == plans[0].placements for p in plans)
+        for p, samples in zip(plans, steps):
+            assert sorted(i for rank in p.cells for c in rank for i in c) == list(range(len(samples)))
+        unrefined = place([x for s in steps for x in s], 2, current, 0.02)
+        first = [routepack(s, 2, 2, 512, COST, anneal_cfg=FAST, placements=unrefined) for s in steps]
+        assert window_cost(plans, current, move_s) <= window_cost(first, current, move_s) + 1e-12
