@@ -14,8 +14,10 @@ KK + static contiguous experts; the rate of windows whose row count is certified
 
 (b) Measured: 2 ranks × 1 thread, EP 2 with DP attention on the same ranks (``routepack_worker``),
 training steps on both trace kinds; per window of ``--window-steps`` steps RoutePack places experts
-once (from the window's demand, ranks relabelled to keep experts where the previous window had them)
-and packs and lays out every step. Its migrations (weights + AdamW moments) are timed apart: from
+once (``plan_window``: from the window's demand, refined on the EP peaks of the window's laid-out
+slots; an expert leaves its rank of the previous window only while the max load is more than
+``--move-tolerance`` above the balanced one's, or where the modeled gain beats ``--move-s`` seconds
+per moved expert) and packs and lays out every step. Its migrations (weights + AdamW moments) are timed apart: from
 one window's placement to the next (what a run pays) and, as an upper bound, from the static one;
 "incl. migration" adds the window-to-window time (the static one when there is one window) once per
 window. A step's time is the slowest rank's; tokens/s = Σ tokens ÷ Σ median step time; methods run
@@ -37,8 +39,8 @@ import numpy as np
 
 from arbor.bench.common import add_moe_shape_arguments, median, print_table, write_result
 from arbor.bench.ep import cpu_seconds, model_shape
-from arbor.plan import AnnealConfig, CostModel, Sample, kk_workload, routepack, token_balance
-from arbor.plan.routepack import place
+from arbor.plan import AnnealConfig, CostModel, Sample, kk_workload, plan_window, routepack, token_balance
+from arbor.plan.routepack import moved
 from arbor.plan.traces import synthetic
 
 METHODS = ["token balance", "KK + static", "RoutePack"]
@@ -115,22 +117,26 @@ def planner_only(kind: str, windows, E: int, cap: int, cost: CostModel, anneal: 
 
 
 def measured_plans(steps: list[list[np.ndarray]], window_steps: int, E: int, cap: int, cost: CostModel,
-                   anneal: AnnealConfig) -> tuple[dict, list[dict]]:
-    """Plans for every step; RoutePack's placement is fixed per window of ``window_steps`` steps."""
+                   anneal: AnnealConfig, tolerance: float = 0.0, move_s: float = 0.0) -> tuple[dict, list[dict]]:
+    """Plans for every step; RoutePack's placement is fixed per window of ``window_steps`` steps
+    (``plan_window``: from the window's routing, refined on its layouts, experts moved from the
+    previous window's placement only where the modeled gain pays ``move_s`` per expert)."""
     plans, info, current = {m: [] for m in METHODS}, [], None
     for start in range(0, len(steps), window_steps):
-        window = steps[start:start + window_steps]
-        places = place([Sample.from_ids(x, E) for step in window for x in step], 2, current)
-        current = [p.rank_of for p in places]
-        for step in window:
-            p, secs = plan_all(step, E, cap, cost, anneal, places)
+        window = [[Sample.from_ids(x, E) for x in step] for step in steps[start:start + window_steps]]
+        t0 = time.perf_counter()
+        rp = plan_window(window, 2, 2, cap, cost, current, anneal, tolerance, move_s)
+        window_s = time.perf_counter() - t0
+        moves = moved(rp[0].placements, current)
+        current = [p.rank_of for p in rp[0].placements]
+        for samples, p in zip(window, rp):
+            base = {"token balance": token_balance(samples, 2, 2, cap, cost), "KK + static": kk_workload(samples, 2, 2, cap, cost),
+                    "RoutePack": p}
             for m in METHODS:
-                plans[m].append(p[m])
-            info.append({"energy": {m: p[m].energy for m in METHODS}, "planner_s": secs["RoutePack"],
-                         "certified": p["RoutePack"].packing.certified, "window": start // window_steps})
+                plans[m].append(base[m])
+            info.append({"energy": {m: base[m].energy for m in METHODS}, "planner_s": window_s,
+                         "certified": p.packing.certified, "window": start // window_steps, "moved": moves})
     return plans, info
-
-
 def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmup: int, timeout_s: float,
                  window_steps: int) -> dict:
     from arbor.dist.launch import launch
@@ -187,7 +193,7 @@ def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmu
 
 def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=64, cap=2048, max_len=2048,
         recorded_windows=4, measure_steps=4, window_steps=2, step_samples=32, repeats=5, warmup=1, seed=0,
-        cost_file=None, anneal=None, timeout_s=1800.0, measure=True) -> dict:
+        cost_file=None, anneal=None, timeout_s=1800.0, measure=True, move_s=0.01, move_tolerance=0.02) -> dict:
     shape = shape or model_shape()
     E = shape["num_experts"]
     anneal = anneal or AnnealConfig()
@@ -227,16 +233,17 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
                                    seed=seed + 600 + t, max_len=max_len, popularity=pop)[0] for t in range(measure_steps)]
             else:         # the first samples of the recorded windows
                 steps = [window[:step_samples] for window in recorded[:measure_steps]]
-            plans, info = measured_plans(steps, window_steps, E, cap, cost, anneal)
+            plans, info = measured_plans(steps, window_steps, E, cap, cost, anneal, move_tolerance, move_s)
             measured_info[kind] = info
             measured[kind] = run_measured(kind, steps, shape, plans, repeats, warmup, timeout_s, window_steps)
             measured[kind]["modeled_step_s"] = {m: [i["energy"][m] for i in info] for m in METHODS}
             measured[kind]["planner_s"] = [i["planner_s"] for i in info]
             measured[kind]["certified"] = [i["certified"] for i in info]
+            measured[kind]["planned_moves"] = [i["moved"] for i in info[::window_steps]]
     return report(out_dir, shape, cost, planner, measured, dict(
         windows=windows, samples=samples, cap=cap, max_len=max_len, recorded_windows=recorded_windows,
         measure_steps=measure_steps, window_steps=window_steps, step_samples=step_samples, repeats=repeats,
-        warmup=warmup, seed=seed, anneal=anneal.__dict__, device=device))
+        warmup=warmup, seed=seed, anneal=anneal.__dict__, device=device, move_s=move_s, move_tolerance=move_tolerance))
 
 
 def report(out_dir, shape, cost, planner, measured, config) -> dict:
@@ -280,7 +287,8 @@ def report(out_dir, shape, cost, planner, measured, config) -> dict:
                     ["method", "tokens/s", "÷ KK + static", "modeled ÷ KK", "Σ step s"], rows)
         print(f"  RoutePack migration: {m['migration_s']:.3f} s from one window's placement to the next (median "
               f"{m['migration_moved']} experts moved, {m['migration_bytes_per_rank'] / 2**20:.0f} MiB sent per rank), "
-              f"once per {config['window_steps']} steps; {m['migration_from_static_s']:.3f} s from the static placement")
+              f"once per {config['window_steps']} steps; {m['migration_from_static_s']:.3f} s from the static placement; "
+              f"experts moved into each window as planned: {m['planned_moves']}")
     print_table("targets", ["target", "value", "wanted", "met"],
                 [[t["name"], t["value"], t["target"], "yes" if t["met"] else "NO"] for t in targets])
     busy = {k: m["other_cpu_cores"] for k, m in measured.items()}
@@ -329,6 +337,11 @@ def add_arguments(p) -> None:
     p.add_argument("--population", type=int, default=16)
     p.add_argument("--levels", type=int, default=8)
     p.add_argument("--sweeps", type=int, default=24)
+    p.add_argument("--move-s", type=float, default=0.01,
+                   help="RoutePack's modeled seconds per migrated expert (weights + AdamW moments): a placement "
+                        "change must gain more than this per expert it moves")
+    p.add_argument("--move-tolerance", type=float, default=0.02,
+                   help="keep experts where they are while the window's max EP load stays within this of the balanced one's")
     p.add_argument("--cost-file", help="cost model JSON (arbor plan calibrate); default: calibrate now")
     p.add_argument("--no-measure", action="store_true", help="planner only (skip (b))")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed to each launch of the ranks")
@@ -341,4 +354,4 @@ def main(args) -> None:
         measure_steps=args.measure_steps, window_steps=args.window_steps, step_samples=args.step_samples,
         repeats=args.repeats, warmup=args.warmup, cost_file=args.cost_file, timeout_s=args.timeout,
         anneal=AnnealConfig(population=args.population, levels=args.levels, sweeps=args.sweeps),
-        measure=not args.no_measure)
+        measure=not args.no_measure, move_s=args.move_s, move_tolerance=args.move_tolerance)
