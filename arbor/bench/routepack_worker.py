@@ -9,7 +9,7 @@ ranks (DP attention on the same 2 ranks).
 A step of a method: migrate the experts (weights and AdamW moments, untimed) to the method's
 placement, barrier, then for each slot s this rank's cell (its samples packed, routing replayed from
 the trace, random token ids from a per-sample seed) forward + backward (an empty cell runs an idle
-pass), then the gradient all-reduce and AdamW. Repeats run interleaved: for each repeat, each step,
+pass), then the gradient all-reduce and AdamW (fused, as ``arbor train``). Repeats run interleaved: for each repeat, each step,
 each method. Each rank reports its seconds per (method, step, repeat) and the timed migrations.
 Prints ``ROUTEPACK_RESULT <json>``.
 """
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> None:
     device = ctx.device
     model = build_model(shape, ctx, device)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)   # as make_optimizer (arbor train)
     traces = load_traces(spec["traces"])
     tokens = [torch.randint(0, shape["vocab_size"], (t.shape[1],), generator=torch.Generator().manual_seed(1000 + i))
               for i, t in enumerate(traces)]
