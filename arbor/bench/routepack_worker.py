@@ -9,8 +9,9 @@ ranks (DP attention on the same 2 ranks).
 A step of a method: migrate the experts (weights and AdamW moments, untimed) to the method's
 placement, barrier, then for each slot s this rank's cell (its samples packed, routing replayed from
 the trace, random token ids from a per-sample seed) forward + backward (an empty cell runs an idle
-pass), then the gradient all-reduce and AdamW (fused, as ``arbor train``). Repeats run interleaved: for each repeat, each step,
-each method. Each rank reports its seconds per (method, step, repeat) and the timed migrations.
+pass), then the gradient all-reduce and AdamW (fused, as ``arbor train``). Repeats run interleaved:
+for each repeat, each step, each method. Each rank reports its seconds per (method, step, repeat)
+and the timed migrations.
 Prints ``ROUTEPACK_RESULT <json>``.
 """
 
