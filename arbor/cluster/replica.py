@@ -107,6 +107,27 @@ class Outbox:
         return chunks
 
 
+class StepMeter:
+    """Wraps an engine's ``step``: steps taken, their wall seconds and the CPU seconds of the thread that
+    ran them. CPU ÷ wall is the share of a core the replica had while stepping (below 1: it waited for
+    one, e.g. more busy processes than cores)."""
+
+    def __init__(self, step):
+        self.step, self.steps, self.wall_s, self.cpu_s = step, 0, 0.0, 0.0
+
+    def __call__(self):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self.step()
+        finally:
+            self.steps += 1
+            self.wall_s += time.perf_counter() - t0
+            self.cpu_s += time.thread_time() - c0
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "step_s": self.wall_s, "step_cpu_s": self.cpu_s}
+
+
 class EngineReplica:
     def __init__(self, spec: ReplicaSpec, slot: int, epoch: int):
         import torch
@@ -115,6 +136,7 @@ class EngineReplica:
         torch.set_num_threads(max(1, spec.threads))
         self.slot, self.epoch, self.interval = slot, epoch, spec.stream_interval_s
         self.engine = AsyncLLMEngine(spec.model, EngineConfig(**spec.engine))
+        self.meter = self.engine.engine.step = StepMeter(self.engine.engine.step)   # the engine loop steps through it
         self.version = 0
         self._updated: asyncio.Event | None = None
         self.group, self.group_key = None, None
@@ -131,7 +153,7 @@ class EngineReplica:
         import ray
         return {"slot": self.slot, "epoch": self.epoch, "pid": os.getpid(), "version": self.version,
                 "node": ray.util.get_node_ip_address(), "running": len(self.engine.engine.requests),
-                "calls": dict(self.calls)}
+                "calls": dict(self.calls), **self.meter.stats()}
 
     # ---- rollouts ----------------------------------------------------------------------
     async def submit(self, client: str, requests: list, aborts: list[str]) -> None:

@@ -13,7 +13,8 @@ A trainer rank that dies, or fails, stops the run: the driver kills the other ra
 itself (a bad setting, a refused checkpoint) is re-raised as it is.
 
 Files: ``OUT/metrics.jsonl``, ``OUT/checkpoint``, ``OUT/final`` as in one process, plus
-``OUT/cluster.json`` (the cluster section, where each actor ran, replica replacements) and, for a
+``OUT/cluster.json`` (the cluster section, where each actor ran, replica replacements, each replica's
+engine steps with their wall and CPU seconds at the end) and, for a
 local cluster, Ray's session files under ``OUT/ray``.
 """
 
@@ -111,8 +112,22 @@ class ClusterRun:
                     history = rows
         self.info["manager"] = ray.get(self.manager.stats.remote())
         self.info["resubmitted"] = (last or {}).get("resubmitted", 0)
+        self.info["replicas_at_end"] = self.replica_info()
         self._write_info()
         return history
+
+    def replica_info(self) -> list[dict]:
+        """``EngineReplica.info`` of every replica now serving (its calls, and its engine steps: count,
+        wall and CPU seconds, see ``StepMeter``); a replica that cannot answer is left out."""
+        import ray
+        refs = [h.info.remote() for _, h in ray.get(self.manager.table.remote())]
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=10))
+            except Exception:                         # noqa: BLE001 (dead or stuck: being replaced)
+                pass
+        return out
 
     def _progress(self, last):
         """Rank 0's progress (steps, last row, re-submitted requests), or ``last`` when it cannot answer."""
