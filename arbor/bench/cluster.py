@@ -20,7 +20,7 @@ step. A rollout of real size is bound by the batch's work (a step's cost grows w
 per-step overhead instead, which a second replica cannot split.
 
 Weight sync per method, at a size where it matters: a manager with 2 replicas of a larger random model
-(``--sync-hidden`` × ``--sync-layers``; 27 M parameters, 108 MB float32 by default) and a publisher in
+(``--sync-hidden`` × ``--sync-layers``; 25 M parameters, 97 MiB float32 by default) and a publisher in
 this process time ``update_weights`` (``--sync-repeats`` each, interleaved) for both methods; the
 faster one should be ``ClusterConfig.weight_sync``'s default.
 
