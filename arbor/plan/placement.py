@@ -15,6 +15,9 @@ each rank holding exactly L = E / W experts. Load of rank r: ℓ_r = Σ_{e on r}
    within ``tolerance`` (relative) of the new placement's. Of the two, the one with fewer moved
    experts among those within the tolerance is kept, so the result never moves more experts than
    the relabelled placement and its max load is at most (1 + tolerance) × that placement's.
+4. ``refine``: once a layout fixes which tokens share each micro-batch slot, swaps that lower the
+   cost model's EP term Σ_slot max_r (optionally charging each moved expert) — what a step pays,
+   which the aggregate balance of 1-2 only bounds.
 
 Lower bound on max_r ℓ_r for any placement with L experts per rank:
     LB = max(Σ d / W,  d_(1) + Σ of the L − 1 smallest other demands)
