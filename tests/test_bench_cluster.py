@@ -18,10 +18,12 @@ def test_the_toy_shape_is_the_tiny_preset_and_the_default_is_the_engine_bench_sh
     assert len(model_config(tok, 256, 6).layer_types) == 6
 
 
-@pytest.mark.parametrize("flags, says", [(["--hidden", "0"], "--hidden must be > 0"),
-                                         (["--layers", "-1"], "--layers must be > 0"),
-                                         (["--hidden", "32"], "--heads must be > 0"),       # 32 // head_dim 64 = 0
-                                         (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a multiple of --kv-heads (2)")])
+BAD = [(["--hidden", "0"], "--hidden must be > 0"), (["--layers", "-1"], "--layers must be > 0"),
+       (["--hidden", "32"], "--heads must be > 0"),           # 32 // head_dim 64 = 0 heads
+       (["--heads", "3", "--kv-heads", "2"], "--heads (3) must be a multiple of --kv-heads (2)")]
+
+
+@pytest.mark.parametrize("flags, says", BAD)
 def test_a_bad_model_shape_is_refused_before_any_work(tmp_path, capsys, flags, says):
     assert main(["bench", "cluster", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *flags]) == 2
     assert says in capsys.readouterr().err
