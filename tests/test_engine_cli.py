@@ -38,3 +38,10 @@ def test_serve_takes_the_layerkv_knobs_and_checks_them(capsys):
     assert args.layer_kv and args.device_kv_blocks == 64 and args.tpot_slo == 0.05 and args.ttft_slo == 2.0
     assert main(["serve", "no/such/folder", "--policy", "layerkv", "--tpot-slo", "0.05"]) not in (0, None)
     assert "needs layer_kv=True" in capsys.readouterr().err
+
+
+def test_python_dash_m_arbor_is_the_arbor_command():
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "arbor", "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "generate" in run.stdout
