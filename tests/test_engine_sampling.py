@@ -176,3 +176,17 @@ def test_bad_requests_raise(model):
         SamplingParams(max_tokens=-1)
     out = engine.generate([list(range(60))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_all_greedy_batch_samples_like_a_mixed_one_bit_for_bit():
+    """The all-greedy shortcut of the sampler gives the general path's tokens and log-probs exactly."""
+    from arbor.engine.sampler import Sampler
+    from arbor.engine.sequence import Sequence
+    torch.manual_seed(0)
+    logits = torch.randn(5, 64) * 4
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    seqs = [Sequence(str(i), 0, [1, 2], greedy, frozenset(), 4) for i in range(5)]
+    fast = Sampler()(logits, seqs)
+    hot = Sequence("x", 0, [1, 2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4, seed=1), frozenset(), 4)
+    general = Sampler()(torch.cat([logits, logits[:1]]), seqs + [hot])
+    assert fast[0] == general[0][:5] and fast[1] == general[1][:5] and fast[2] == [None] * 5

@@ -27,6 +27,12 @@ class Sampler:
         """logits [B, V] → (tokens [B] list, logprobs [B] list, top-k list of dict or None per row)."""
         logits = logits.float()
         params = [s.params for s in seqs]
+        if all(p.greedy and not p.logprobs for p in params):
+            # the common rollout-eval case, without the knob tensors and truncation checks: a greedy row's
+            # distribution is the model's own (T = 1 divides by one, nothing truncated), bit for bit the same
+            logp = torch.log_softmax(logits, -1)
+            tokens = logits.argmax(-1)
+            return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist(), [None] * len(seqs)
         dev = logits.device
         knob = lambda name, dt: torch.tensor([getattr(p, name) for p in params], dtype=dt, device=dev)
         logp = processed_logprobs(logits, knob("temperature", torch.float32), knob("top_k", torch.int64),
