@@ -29,3 +29,10 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
     for t in r["targets"]:
         assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)
     assert "targets" in capsys.readouterr().out
+
+
+def test_bad_flags_exit_2_before_any_work(tmp_path, capsys):
+    for flag in (["--move-s", "-0.1"], ["--move-tolerance", "nan"], ["--window-steps", "0"], ["--repeats", "0"]):
+        assert main(["bench", "routepack", *TINY, "--out", str(tmp_path / "never"), *flag]) == 2
+        assert flag[0] in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()

@@ -348,6 +348,13 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> None:
+    for name in ("windows", "samples", "recorded_windows", "token_cap", "max_len", "measure_steps", "window_steps",
+                 "step_samples", "repeats", "population", "levels", "sweeps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    for name in ("warmup", "move_s", "move_tolerance"):
+        if not getattr(args, name) >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
     shape = model_shape(args.hidden, args.experts, args.top_k, args.moe_intermediate, args.layers, args.vocab)
     run(out_dir=args.out, device=args.device, shape=shape, windows=args.windows, samples=args.samples,
         cap=args.token_cap, max_len=args.max_len, recorded_windows=args.recorded_windows,

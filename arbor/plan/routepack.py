@@ -195,6 +195,8 @@ def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap
        (``window_cost``: Σ of the steps' energies + ``move_s`` per moved expert) is lower, so
        refining never makes a window worse.
     → one Plan per step, all with the same placements."""
+    if not (tolerance >= 0 and move_s >= 0):
+        raise ValueError(f"tolerance and move_s must be ≥ 0, got {tolerance} and {move_s}")
     cost = cost or CostModel.load()
     for step in steps:
         check_sizes(step, ep_size, dp_size, token_cap)
