@@ -234,3 +234,23 @@ def test_plan_window_shares_a_placement_and_is_never_worse_than_unrefined():
         unrefined = place([x for s in steps for x in s], 2, current, 0.02)
         first = [routepack(s, 2, 2, 512, COST, anneal_cfg=FAST, placements=unrefined) for s in steps]
         assert window_cost(plans, current, move_s) <= window_cost(first, current, move_s) + 1e-12
+
+
+def test_warm_relayout_reuses_the_rows_and_is_never_worse_than_the_rescored_start():
+    """The refine step's second pass starts from the first layout under another placement."""
+    from arbor.plan.placement import contiguous
+    from arbor.plan.routepack import _plan_step, evaluate, place, plan_window, warm_config
+    samples = trace(5, n=40)
+    places = place(samples, 2)
+    first = _plan_step(samples, places, 2, 2, 512, COST, FAST)
+    refined = [contiguous(8, 2) for _ in places]
+    assert any(a.rank_of != b.rank_of for a, b in zip(refined, places))      # the case under test
+    again = _plan_step(samples, refined, 2, 2, 512, COST, FAST, warm=first)
+    assert again.packing is first.packing
+    assert sorted(i for rank in again.cells for c in rank for i in c) == list(range(len(samples)))
+    rescored = evaluate(first.cells, refined, samples, 2, COST)
+    assert again.stats["start_energy"] == pytest.approx(rescored) and again.energy <= rescored + 1e-12
+    w = warm_config(FAST)
+    assert w.levels == max(1, FAST.levels // 2) and FAST.beta_lo < w.beta_lo < w.beta_hi == FAST.beta_hi
+    plans = plan_window([samples], 2, 2, 512, COST, anneal_cfg=FAST)         # deterministic for a seed
+    assert plans[0].cells == plan_window([samples], 2, 2, 512, COST, anneal_cfg=FAST)[0].cells

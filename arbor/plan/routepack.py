@@ -5,7 +5,9 @@
 1. placement per MoE layer from the window's demand d_l[e] = Σ_i counts_i[l, e]
    (``placement.balanced``; experts kept where ``current`` has them as far as the balance allows),
    then, once 2-4 have laid the window out, refined on the layout's slots (``placement.refine``:
-   the cost model's Σ_s max_r term) and 2-4 run again; the better window is kept (``plan_window``);
+   the cost model's Σ_s max_r term) and every step's layout annealed again under it, starting from
+   the first layout (same rows; ``warm_config``: the colder half of the temperatures); the better
+   window is kept (``plan_window``);
 2. rows: the samples packed into the fewest token-capped rows found, certified against
    max(L1, L2) (``packing.pack_rows``);
 3. grid: S = ⌈R / D⌉ slots per DP rank; the D·S − R missing rows come from splitting the rows with
@@ -141,21 +143,38 @@ def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int,
     return plan_window([samples], ep_size, dp_size, token_cap, cost, current, anneal_cfg, tolerance, move_s)[0]
 
 
-def _plan_step(samples, places, ep_size, dp_size, token_cap, cost, anneal_cfg) -> Plan:
-    """Steps 2-4 for one step's samples under fixed placements."""
+def _plan_step(samples, places, ep_size, dp_size, token_cap, cost, anneal_cfg, warm: Plan | None = None) -> Plan:
+    """Steps 2-4 for one step's samples under fixed placements. ``warm``: a plan of the same samples
+    under other placements; its rows are reused and its layout is the annealing's start (rows and
+    layout constraints do not depend on the placement), annealed by ``warm_config``."""
     t1 = time.perf_counter()
     check_sizes(samples, ep_size, dp_size, token_cap)
     cost = cost or CostModel.load()
-    packing = pack_rows([s.length for s in samples], token_cap)
+    packing = warm.packing if warm is not None else pack_rows([s.length for s in samples], token_cap)
     t2 = time.perf_counter()
     slots = -(-len(packing.rows) // dp_size)
     prob = problem(samples, places, dp_size, slots, ep_size, token_cap, cost)
-    start = grid_start(packing.rows, prob.lengths, prob.attn, dp_size)
-    best, stats = anneal(prob, start, anneal_cfg)
+    if warm is None:
+        best, stats = anneal(prob, grid_start(packing.rows, prob.lengths, prob.attn, dp_size), anneal_cfg)
+    else:
+        start = np.empty(len(samples), dtype=np.int64)
+        for d, row in enumerate(warm.cells):
+            for s, members in enumerate(row):
+                start[members] = d * slots + s
+        best, stats = anneal(prob, start, warm_config(anneal_cfg))
     check_layout(prob, best)
     t3 = time.perf_counter()
     stats.update(packing_s=t2 - t1, layout_s=t3 - t2, planner_s=t3 - t1)
     return Plan("routepack", cells_of(best, dp_size, slots), places, energy(prob, best), packing, stats)
+
+
+def warm_config(cfg: AnnealConfig | None) -> AnnealConfig:
+    """Annealing from a layout that is already good (the first pass's, under a refined placement):
+    only the colder half of ``cfg``'s temperatures (β from √(β_lo·β_hi) up), so local fixes, not a
+    new search."""
+    cfg = cfg or AnnealConfig()
+    return AnnealConfig(population=cfg.population, levels=max(1, cfg.levels // 2), sweeps=cfg.sweeps,
+                        beta_lo=float(np.sqrt(cfg.beta_lo * cfg.beta_hi)), beta_hi=cfg.beta_hi, seed=cfg.seed)
 
 
 def slot_counts(plan: Plan, samples: list[Sample], ep_size: int) -> np.ndarray:
@@ -190,9 +209,11 @@ def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap
     2. every step packed and laid out under it (``_plan_step``);
     3. ``placement.refine`` on the EP term of those layouts' slots (Σ over the window's slots of each
        layer's EP peak: what the cost model charges; with ``current``, plus ``move_s`` seconds per
-       expert away from its current rank, what migrating it costs), then every step laid out again under the
-       refined placement; the refined plans are kept only when the window's modeled time
-       (``window_cost``: Σ of the steps' energies + ``move_s`` per moved expert) is lower, so
+       expert away from its current rank, what migrating it costs); then every step's layout of 2 is
+       re-scored under the refined placement and annealed from there (rows reused; ``warm_config``:
+       the colder half of the temperatures; ~3/4 of a second full pass's time and, on the bench's
+       synthetic windows, no worse layouts); the refined plans are kept only when the window's
+       modeled time (``window_cost``: Σ of the steps' energies + ``move_s`` per moved expert) is lower, so
        refining never makes a window worse.
     → one Plan per step, all with the same placements."""
     if not (tolerance >= 0 and move_s >= 0):
@@ -208,7 +229,8 @@ def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap
     if current is not None:           # relabelling leaves every slot's peak as it is
         refined = [pl.relabel(q, current[l]) for l, q in enumerate(refined)]
     if any(a.rank_of != b.rank_of for a, b in zip(refined, places)):
-        again = [_plan_step(step, refined, ep_size, dp_size, token_cap, cost, anneal_cfg) for step in steps]
+        again = [_plan_step(step, refined, ep_size, dp_size, token_cap, cost, anneal_cfg, warm=p)
+                 for step, p in zip(steps, plans)]
         if window_cost(again, current, move_s) < window_cost(plans, current, move_s):
             plans = again
     total = time.perf_counter() - t0
