@@ -1,11 +1,12 @@
 """The CPU fast paths of the engine: the C paged decode-attention kernel against gather + SDPA,
-and oneDNN-packed bfloat16 linears against plain ones (also after ``update_weights``)."""
+the routed MoE kernel against the float32 reference, and oneDNN-packed linears against plain ones
+(also after ``update_weights``)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention, cpu_moe
 from arbor.engine.cpu_linear import DENSE_MAX_TOKENS, PackedExperts, PackedLinear, available as packing_available
 from arbor.models.moe import Experts, dispatch_experts
 from arbor.models import CausalLM, ModelConfig
@@ -105,30 +106,41 @@ def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
 
 
 @pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
-def test_packing_keeps_hybrid_moe_outputs():
-    """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert: the
-    packed per-expert GEMMs are bit-identical; a decode step of ≤ DENSE_MAX_TOKENS tokens runs every
-    expert as two dense GEMMs (another summation order): the same greedy tokens, log-probs within
-    bfloat16 rounding; new weights reach both packed copies."""
+@pytest.mark.parametrize("routed", [True, False], ids=["routed-kernel", "onednn"])
+def test_packing_keeps_hybrid_moe_outputs(routed, monkeypatch):
+    """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert. Experts
+    run by the routed C kernel (float32 sums, within bfloat16 rounding of the float32 reference), or
+    without it by oneDNN: packed per-expert GEMMs bit-identical, a step of ≤ DENSE_MAX_TOKENS
+    tokens as two dense GEMMs over every expert (another summation order). Either way the same
+    greedy tokens as the plain path, log-probs within bfloat16 rounding; new weights reach the
+    packed copies."""
     import copy
     from tests.test_model_attention import HYBRID
+    if routed and cpu_moe.load_kernel() is None:
+        pytest.skip("the routed MoE kernel needs a C compiler and AVX-512 BF16")
+    if not routed:
+        monkeypatch.setattr(cpu_moe, "supports", lambda *shape: False)
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**HYBRID)).eval()
     packed = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))                 # its own copy
     plain = LLMEngine(copy.deepcopy(model).bfloat16(), EngineConfig(dtype="bfloat16", num_blocks=64))
     assert packed.num_packed > 0 and plain.num_packed == 0
     experts = [m for m in packed.model.modules() if isinstance(m, PackedExperts)]
-    assert experts                                                  # every expert's GEMMs go through oneDNN
+    assert experts and all((m.routed is not None) == routed for m in experts)
     x = torch.randn(7, HYBRID["hidden_size"]).bfloat16()
     with torch.no_grad():
         e = experts[0]
-        rows = [x[:3], x[:0], x[3:], x[:1]] + [x[:0]] * (e.gate_up_proj.shape[0] - 4)
-        assert torch.equal(e.grouped(rows), Experts.grouped(e, rows))
         ids = torch.stack([torch.randperm(e.num_experts)[:2] for _ in range(7)])
         w = torch.rand(7, 2).bfloat16()
-        torch.testing.assert_close(e.dense(x, ids, w), dispatch_experts(x, ids, w, plain_experts(e)),
-                                   atol=2e-2, rtol=2e-2)
-        assert e.dense(torch.randn(DENSE_MAX_TOKENS + 1, x.shape[1]).bfloat16(), ids, w) is None   # many tokens
+        if routed:
+            ref = dispatch_experts(x.float(), ids, w.float(), plain_experts(e).float())
+            torch.testing.assert_close(e.serve(x, ids, w).float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
+        else:
+            rows = [x[:3], x[:0], x[3:], x[:1]] + [x[:0]] * (e.gate_up_proj.shape[0] - 4)
+            assert torch.equal(e.grouped(rows), Experts.grouped(e, rows))
+            torch.testing.assert_close(e.serve(x, ids, w), dispatch_experts(x, ids, w, plain_experts(e)),
+                                       atol=2e-2, rtol=2e-2)
+            assert e.serve(torch.randn(DENSE_MAX_TOKENS + 1, x.shape[1]).bfloat16(), ids, w) is None  # many tokens
     prompts = [[t % 64 for t in p] for p in PROMPTS]
     assert_same_tokens(greedy(packed, prompts), greedy(plain, prompts))
     with torch.no_grad():                                           # new weights reach the packed copies
@@ -137,6 +149,26 @@ def test_packing_keeps_hybrid_moe_outputs():
     packed.update_weights(model.state_dict())
     assert_same_tokens(greedy(packed, prompts), greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
                                                                  EngineConfig(dtype="bfloat16", num_blocks=64)), prompts))
+
+
+@pytest.mark.skipif(cpu_moe.load_kernel() is None, reason="the routed MoE kernel needs a C compiler and AVX-512 BF16")
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (7, 1), (16, 2), (45, 3)])
+def test_routed_moe_kernel_matches_float32(tokens, top_k):
+    """``cpu_moe.routed_experts`` = Σ_j w_j · E_{ids_j}(x) of the float32 reference (bfloat16 weights
+    and inputs) within bfloat16 rounding, for row counts around its 8-row tiles, an expert with no
+    token, several threads; a tile edge or a lost pair would be off by whole terms."""
+    torch.manual_seed(tokens)
+    e_, d, i = 6, 64, 48
+    experts = Experts(e_, d, i).bfloat16()
+    x = torch.randn(tokens, d).bfloat16()
+    ids = torch.stack([torch.randperm(e_ - 1)[:top_k] for _ in range(tokens)])     # expert e_−1 never routed
+    w = torch.rand(tokens, top_k)
+    ref = dispatch_experts(x.float(), ids, w, plain_experts(experts).float())
+    packed = cpu_moe.pack_vnni(experts.gate_up_proj), cpu_moe.pack_vnni(experts.down_proj)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        got = cpu_moe.routed_experts(x, ids, w, *packed)
+        torch.testing.assert_close(got.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
 
 
 def plain_experts(packed):

@@ -53,10 +53,10 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     """x [T, D], ids/weights [T, k] → Σ_j weights[:, j] · expert_{ids[:, j]}(x), [T, D].
 
     Token copies are sorted by expert so each expert runs one matmul on a contiguous slice;
-    the loop is over experts, never over tokens. An expert module with a ``dense`` method (the
-    engine's packed CPU copy) may serve the call itself."""
-    dense = getattr(experts, "dense", None)
-    if dense is not None and (y := dense(x, ids, weights)) is not None:
+    the loop is over experts, never over tokens. An expert module with a ``serve`` method (the
+    engine's packed CPU copy) may serve the call itself (when it returns a tensor)."""
+    serve = getattr(experts, "serve", None)
+    if serve is not None and (y := serve(x, ids, weights)) is not None:
         return y
     k = ids.shape[1]
     flat = ids.reshape(-1)
