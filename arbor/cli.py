@@ -359,12 +359,17 @@ def add_plan(sub) -> None:
     c.add_argument("--threads", type=int, default=1, help="intra-op threads (one per EP rank on a 2-core CPU)")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--out", help="where to write the JSON (default: $ARBOR_CACHE or ~/.cache/arbor/plan_cost.json)")
+    c.add_argument("--no-migration", action="store_true",
+                   help="skip timing expert migrations on 2 EP ranks (seconds per moved expert and per changed layer)")
 
     def run(a):
         import torch
 
         from arbor.plan.cost import default_cost_file
-        from arbor.train.plan_calibrate import calibrate
+        from arbor.train.plan_calibrate import calibrate, calibrate_migration, with_migration
+        if a.repeats < 1 or a.threads < 1:
+            raise ValueError(f"--repeats and --threads must be ≥ 1, got {a.repeats} and {a.threads}")
+        shape = None
         if a.model:
             from arbor.models import load_model
             model = load_model(a.model, dtype=torch.float32)
@@ -377,10 +382,17 @@ def add_plan(sub) -> None:
         if not model.config.moe_layers:
             raise ValueError("arbor plan calibrate needs an MoE model")
         cost = calibrate(model, repeats=a.repeats, threads=a.threads)
-        path = cost.save(a.out or default_cost_file())
         print(f"a={cost.a:.4g} s/token  b={cost.b:.4g} s/token²  c1={cost.c1:.4g} s/sequence  "
               f"e={cost.e:.4g} s/routed row/layer  c0={cost.c0:.4g} s/micro-batch"
               f"  (R² experts {cost.meta['expert_fit_r2']:.3f}, steps {cost.meta['step_fit_r2']:.3f})")
+        if not a.no_migration:
+            del model                      # the 2 ranks build their own halves
+            mig = calibrate_migration(shape, a.model, repeats=a.repeats, threads=a.threads)
+            cost = with_migration(cost, mig)
+            print(f"migration (2 EP ranks): move_s={cost.move_s:.4g} s per moved expert  "
+                  f"move_layer_s={cost.move_layer_s:.4g} s per MoE layer changed  (+{mig['intercept_s']:.3g} s; "
+                  f"R² {mig['r2']:.3f})")
+        path = cost.save(a.out or default_cost_file())
         print(f"wrote {path}")
 
     c.set_defaults(func=run)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from arbor.cli import main
 
 TINY = ["--hidden", "64", "--experts", "4", "--moe-intermediate", "64", "--layers", "2", "--vocab", "256"]
@@ -12,6 +14,9 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
     assert main(["plan", "calibrate", *TINY, "--repeats", "1", "--out", str(cost)]) in (0, None)
     c = json.loads(cost.read_text())
     assert all(c[k] >= 0 for k in ("a", "b", "e", "c0")) and c["meta"]["shape"]["num_experts"] == 4
+    mig = c["meta"]["migration"]            # timed on 2 ranks: (layers changed, experts moved) → seconds
+    assert c["move_s"] >= 0 and c["move_layer_s"] >= 0 and mig["points"] == [[1, 2], [1, 4], [2, 4], [2, 8]]
+    assert len(mig["seconds"]) == 4 and all(t > 0 for t in mig["seconds"]) and c["move_layer_s"] + c["move_s"] > 0
     assert main(["bench", "routepack", "--out", str(tmp_path), *TINY, "--windows", "3", "--samples", "16",
                  "--recorded-windows", "1", "--token-cap", "256", "--max-len", "256", "--measure-steps", "2",
                  "--window-steps", "1", "--step-samples", "8", "--repeats", "1", "--warmup", "0", "--population", "4",
@@ -28,11 +33,25 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
     assert [t["name"].split(",")[0] for t in r["targets"]][0] == "measured tokens/s"
     for t in r["targets"]:
         assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)
+    assert r["config"]["move_s"] == c["move_s"] and r["config"]["move_layer_s"] == c["move_layer_s"]
     assert "targets" in capsys.readouterr().out
 
 
 def test_bad_flags_exit_2_before_any_work(tmp_path, capsys):
-    for flag in (["--move-s", "-0.1"], ["--move-tolerance", "nan"], ["--window-steps", "0"], ["--repeats", "0"]):
+    for flag in (["--move-s", "-0.1"], ["--move-tolerance", "nan"], ["--window-steps", "0"], ["--repeats", "0"],
+                 ["--move-layer-s", "inf"]):
         assert main(["bench", "routepack", *TINY, "--out", str(tmp_path / "never"), *flag]) == 2
         assert flag[0] in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_migration_targets_move_exactly_what_they_say():
+    from arbor.train.plan_calibrate import migration_points, migration_targets
+    points = migration_points(4, 16)
+    assert points == [(1, 2), (1, 4), (1, 8), (1, 16), (4, 8), (4, 16), (4, 32), (4, 64)]
+    for (layers, M), rank_of in zip(points, migration_targets(16, 4, 2, points)):
+        moved = [sum(r != e // 8 for e, r in enumerate(layer)) for layer in rank_of]
+        assert sum(moved) == M and sum(m > 0 for m in moved) == layers
+        assert all(sorted(layer) == [0] * 8 + [1] * 8 for layer in rank_of)
+    with pytest.raises(ValueError, match="cannot move 3"):
+        migration_targets(16, 4, 2, [(1, 3)])

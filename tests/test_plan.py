@@ -10,7 +10,7 @@ from arbor.plan import AnnealConfig, CostModel, Sample, balanced, karmarkar_karp
 from arbor.plan.cost import fit
 from arbor.plan.layout import anneal, energy
 from arbor.plan.packing import best_fit_decreasing, lower_bound_l1, lower_bound_l2, min_slack
-from arbor.plan.routepack import grid_start, problem
+from arbor.plan.routepack import grid_start, place, problem
 from arbor.plan.traces import synthetic
 
 COST = CostModel(a=2e-4, b=1e-7, e=1e-4, c0=5e-3)
@@ -254,3 +254,36 @@ def test_warm_relayout_reuses_the_rows_and_is_never_worse_than_the_rescored_star
     assert w.levels == max(1, FAST.levels // 2) and FAST.beta_lo < w.beta_lo < w.beta_hi == FAST.beta_hi
     plans = plan_window([samples], 2, 2, 512, COST, anneal_cfg=FAST)         # deterministic for a seed
     assert plans[0].cells == plan_window([samples], 2, 2, 512, COST, anneal_cfg=FAST)[0].cells
+
+
+def test_migration_cost_charges_experts_and_changed_layers():
+    from arbor.plan.placement import contiguous, from_ranks, refine
+    from arbor.plan.routepack import migration_cost
+    cur = [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 1, 1]]
+    new = [from_ranks([0, 1, 0, 1], 2, np.ones(4)), from_ranks([0, 0, 1, 1], 2, np.ones(4)),
+           from_ranks([1, 1, 0, 0], 2, np.ones(4))]
+    assert migration_cost(new, cur, 0.5, 3.0) == pytest.approx(0.5 * 6 + 3.0 * 2)
+    assert migration_cost(new, None, 0.5, 3.0) == 0.0
+    with pytest.raises(ValueError, match="does not hold 2 experts"):
+        from_ranks([0, 0, 0, 1], 2, np.ones(4))
+    # refine: a swap that gains 20 rows pays 2 × 5 per expert, not 2 × 5 + a layer charge of 11
+    X = np.array([[[40.0, 30, 20, 10]]])
+    start = [contiguous(4, 2, X[0, 0])]
+    assert refine(start, X, [start[0].rank_of], move_rows=5.0)[0].rank_of != [0, 0, 1, 1]
+    assert refine(start, X, [start[0].rank_of], move_rows=5.0, layer_rows=11.0)[0].rank_of == [0, 0, 1, 1]
+
+
+def test_place_demand_moves_a_layer_only_where_the_gain_beats_the_price():
+    from arbor.plan.routepack import place_demand
+    d = np.array([[40.0, 30, 20, 10], [12.0, 10, 10, 8]])
+    cur = [[0, 0, 1, 1], [0, 0, 1, 1]]
+    free = place_demand(d, 2, cur)
+    assert [p.max_load for p in free] == [50.0, 20.0]
+    # layer 0 gains 20 rows, layer 1 gains 2: at 4 rows per moved expert only layer 0 moves
+    priced = place_demand(d, 2, cur, move_rows=4.0)
+    assert priced[0].rank_of == free[0].rank_of and priced[1].rank_of == cur[1] and priced[1].max_load == 22.0
+    assert [p.rank_of for p in place_demand(d, 2, cur, move_rows=1.0, layer_rows=30.0)] == cur
+    assert [p.rank_of for p in place_demand(d, 2, None, move_rows=1e9)] == [p.rank_of for p in place(
+        [Sample(1, d)], 2)]                                             # no current placement: nothing to pay
+    with pytest.raises(ValueError, match="tolerance"):
+        place_demand(d, 2, cur, tolerance=-1.0)

@@ -16,8 +16,10 @@ KK + static contiguous experts; the rate of windows whose row count is certified
 training steps on both trace kinds; per window of ``--window-steps`` steps RoutePack places experts
 once (``plan_window``: from the window's demand, refined on the EP peaks of the window's laid-out
 slots; an expert leaves its rank of the previous window only while the max load is more than
-``--move-tolerance`` above the balanced one's, or where the modeled gain beats ``--move-s`` seconds
-per moved expert) and packs and lays out every step. Its migrations (weights + AdamW moments) are timed apart: from
+``--move-tolerance`` above the balanced one's, or where the modeled gain beats the migration's
+modeled cost: ``--move-s`` seconds per moved expert + ``--move-layer-s`` per MoE layer changed, both
+measured on 2 ranks by ``arbor plan calibrate`` and read from the cost file, or measured here when it
+has none) and packs and lays out every step. Its migrations (weights + AdamW moments) are timed apart: from
 one window's placement to the next (what a run pays) and, as an upper bound, from the static one;
 "incl. migration" adds the window-to-window time (the static one when there is one window) once per
 window. A step's time is the slowest rank's; tokens/s = Σ tokens ÷ Σ median step time; methods run
@@ -117,15 +119,17 @@ def planner_only(kind: str, windows, E: int, cap: int, cost: CostModel, anneal: 
 
 
 def measured_plans(steps: list[list[np.ndarray]], window_steps: int, E: int, cap: int, cost: CostModel,
-                   anneal: AnnealConfig, tolerance: float = 0.0, move_s: float = 0.0) -> tuple[dict, list[dict]]:
+                   anneal: AnnealConfig, tolerance: float = 0.0, move_s: float = 0.0,
+                   move_layer_s: float = 0.0) -> tuple[dict, list[dict]]:
     """Plans for every step; RoutePack's placement is fixed per window of ``window_steps`` steps
     (``plan_window``: from the window's routing, refined on its layouts, experts moved from the
-    previous window's placement only where the modeled gain pays ``move_s`` per expert)."""
+    previous window's placement only where the modeled gain pays ``move_s`` per expert and
+    ``move_layer_s`` per MoE layer changed)."""
     plans, info, current = {m: [] for m in METHODS}, [], None
     for start in range(0, len(steps), window_steps):
         window = [[Sample.from_ids(x, E) for x in step] for step in steps[start:start + window_steps]]
         t0 = time.perf_counter()
-        rp = plan_window(window, 2, 2, cap, cost, current, anneal, tolerance, move_s)
+        rp = plan_window(window, 2, 2, cap, cost, current, anneal, tolerance, move_s, move_layer_s)
         window_s = time.perf_counter() - t0
         moves = moved(rp[0].placements, current)
         current = [p.rank_of for p in rp[0].placements]
@@ -193,7 +197,8 @@ def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmu
 
 def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=64, cap=2048, max_len=2048,
         recorded_windows=4, measure_steps=4, window_steps=2, step_samples=32, repeats=5, warmup=1, seed=0,
-        cost_file=None, anneal=None, timeout_s=1800.0, measure=True, move_s=0.01, move_tolerance=0.02) -> dict:
+        cost_file=None, anneal=None, timeout_s=1800.0, measure=True, move_s=None, move_layer_s=None,
+        move_tolerance=0.02) -> dict:
     shape = shape or model_shape()
     E = shape["num_experts"]
     anneal = anneal or AnnealConfig()
@@ -207,12 +212,22 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
 
         from arbor.bench.ep_worker import build_model
         from arbor.dist import DistContext
-        from arbor.train.plan_calibrate import calibrate
-        print("calibrating the cost model on this machine (1 thread) ...", flush=True)
+        from arbor.train.plan_calibrate import calibrate, calibrate_migration, with_migration
+        print("calibrating the cost model on this machine (1 thread; migrations on 2 ranks) ...", flush=True)
         cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
+        cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
         cost.save(Path(out_dir) / "routepack_cost.json")
+    if measure and cost.move_s is None and (move_s is None or move_layer_s is None):
+        from arbor.train.plan_calibrate import calibrate_migration, with_migration
+        print("the cost file has no migration measurement: measuring it on 2 ranks ...", flush=True)
+        cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
+    move_s = cost.move_s if move_s is None else move_s
+    move_layer_s = cost.move_layer_s if move_layer_s is None else move_layer_s
     print(f"cost model: a={cost.a:.3g} s/token, b={cost.b:.3g} s/token², c1={cost.c1:.3g} s/sequence, "
           f"e={cost.e:.3g} s/routed row, c0={cost.c0:.3g} s ({cost.meta.get('file', cost.meta.get('source', 'fitted now'))})", flush=True)
+    if measure:
+        print(f"migration priced at {move_s:.3g} s per moved expert + {move_layer_s:.3g} s per MoE layer changed"
+              + (" (measured)" if "migration" in cost.meta else ""), flush=True)
     traces = {"synthetic": synthetic_windows(shape, windows, samples, seed, max_len)}
     recorded = []
     if recorded_windows or measure:
@@ -233,7 +248,8 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
                                    seed=seed + 600 + t, max_len=max_len, popularity=pop)[0] for t in range(measure_steps)]
             else:         # the first samples of the recorded windows
                 steps = [window[:step_samples] for window in recorded[:measure_steps]]
-            plans, info = measured_plans(steps, window_steps, E, cap, cost, anneal, move_tolerance, move_s)
+            plans, info = measured_plans(steps, window_steps, E, cap, cost, anneal, move_tolerance, move_s,
+                                         move_layer_s)
             measured_info[kind] = info
             measured[kind] = run_measured(kind, steps, shape, plans, repeats, warmup, timeout_s, window_steps)
             measured[kind]["modeled_step_s"] = {m: [i["energy"][m] for i in info] for m in METHODS}
@@ -243,7 +259,8 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
     return report(out_dir, shape, cost, planner, measured, dict(
         windows=windows, samples=samples, cap=cap, max_len=max_len, recorded_windows=recorded_windows,
         measure_steps=measure_steps, window_steps=window_steps, step_samples=step_samples, repeats=repeats,
-        warmup=warmup, seed=seed, anneal=anneal.__dict__, device=device, move_s=move_s, move_tolerance=move_tolerance))
+        warmup=warmup, seed=seed, anneal=anneal.__dict__, device=device, move_s=move_s, move_layer_s=move_layer_s,
+        move_tolerance=move_tolerance))
 
 
 def report(out_dir, shape, cost, planner, measured, config) -> dict:
@@ -296,7 +313,8 @@ def report(out_dir, shape, cost, planner, measured, config) -> dict:
         print("note: other processes kept CPU cores busy during the measured runs ("
               + ", ".join(f"{k} {v:.2f}" for k, v in busy.items() if v is not None) + " cores): times are unreliable")
     result = {"config": {**config, "shape": shape}, "cost_model": {"a": cost.a, "b": cost.b, "e": cost.e,
-                                                                  "c0": cost.c0, "c1": cost.c1, "meta": cost.meta},
+                                                                  "c0": cost.c0, "c1": cost.c1, "move_s": cost.move_s,
+                                                                  "move_layer_s": cost.move_layer_s, "meta": cost.meta},
               "planner": planner, "measured": measured, "certified_rate": rate, "other_cpu_cores": busy,
               "targets": targets}
 
@@ -337,9 +355,13 @@ def add_arguments(p) -> None:
     p.add_argument("--population", type=int, default=16)
     p.add_argument("--levels", type=int, default=8)
     p.add_argument("--sweeps", type=int, default=24)
-    p.add_argument("--move-s", type=float, default=0.01,
+    p.add_argument("--move-s", type=float, default=None,
                    help="RoutePack's modeled seconds per migrated expert (weights + AdamW moments): a placement "
-                        "change must gain more than this per expert it moves")
+                        "change must gain more than this per expert it moves (default: the cost file's, measured "
+                        "by arbor plan calibrate; measured now when it has none)")
+    p.add_argument("--move-layer-s", type=float, default=None,
+                   help="modeled seconds per MoE layer whose placement changes, on top of --move-s "
+                        "(default: the cost file's, as --move-s)")
     p.add_argument("--move-tolerance", type=float, default=0.02,
                    help="keep experts where they are while the window's max EP load stays within this of the balanced one's")
     p.add_argument("--cost-file", help="cost model JSON (arbor plan calibrate); default: calibrate now")
@@ -352,13 +374,15 @@ def main(args) -> None:
                  "step_samples", "repeats", "population", "levels", "sweeps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
-    for name in ("warmup", "move_s", "move_tolerance"):
-        if not getattr(args, name) >= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
+    for name in ("warmup", "move_s", "move_layer_s", "move_tolerance"):
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and np.isfinite(value)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number ≥ 0, got {value}")
     shape = model_shape(args.hidden, args.experts, args.top_k, args.moe_intermediate, args.layers, args.vocab)
     run(out_dir=args.out, device=args.device, shape=shape, windows=args.windows, samples=args.samples,
         cap=args.token_cap, max_len=args.max_len, recorded_windows=args.recorded_windows,
         measure_steps=args.measure_steps, window_steps=args.window_steps, step_samples=args.step_samples,
         repeats=args.repeats, warmup=args.warmup, cost_file=args.cost_file, timeout_s=args.timeout,
         anneal=AnnealConfig(population=args.population, levels=args.levels, sweeps=args.sweeps),
-        measure=not args.no_measure, move_s=args.move_s, move_tolerance=args.move_tolerance)
+        measure=not args.no_measure, move_s=args.move_s, move_layer_s=args.move_layer_s,
+        move_tolerance=args.move_tolerance)

@@ -14,6 +14,10 @@ lengths n_i and routing X_l[d, s, r] = token copies that cell sends to EP rank r
   through one expert, per layer);
 - c0: fixed seconds per micro-batch (launch, Python, the exchanges' latency).
 
+Migrating experts between windows (``arbor.plan.routepack.migration_cost``): ``move_s`` per expert
+that changes rank plus ``move_layer_s`` per MoE layer whose placement changes (measured on 2 EP
+ranks by ``arbor plan calibrate``; ``move_s`` None when never measured).
+
 A step over S slots then costs max_g Σ_s cost_g(s) (ranks of different EP groups meet only at the
 gradient all-reduce). The coefficients are fitted by ``arbor plan calibrate`` from measured step
 times (least squares, non-negative) and stored as JSON; ``CostModel.load`` reads it, falling back to
@@ -43,6 +47,8 @@ class CostModel:
     e: float = 1.0e-4        # s per routed token copy on an EP rank, per MoE layer (fwd + bwd)
     c0: float = 5.0e-3       # s per micro-batch
     c1: float = 0.0          # s per sequence
+    move_s: float | None = None   # s per migrated expert (weights + AdamW moments); None: not measured
+    move_layer_s: float = 0.0     # s per MoE layer whose placement changes (its exchanges), on top
     meta: dict = field(default_factory=dict)   # how and where it was fitted
 
     def attention(self, lengths) -> np.ndarray:
@@ -69,8 +75,8 @@ class CostModel:
                 raise FileNotFoundError(f"no cost model at {p}; write one with `arbor plan calibrate --out {p}`")
             return cls(meta={"source": "built-in defaults"})
         data = json.loads(p.read_text())
-        return cls(**{k: data[k] for k in ("a", "b", "e", "c0", "c1") if k in data}, meta={**data.get("meta", {}),
-                                                                                      "file": str(p)})
+        keys = ("a", "b", "e", "c0", "c1", "move_s", "move_layer_s")
+        return cls(**{k: data[k] for k in keys if k in data}, meta={**data.get("meta", {}), "file": str(p)})
 
 
 def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -66,6 +66,15 @@ def contiguous(num_experts: int, ep_size: int, demand=None) -> Placement:
     return _finish(rank_of, ep_size, np.zeros(num_experts) if demand is None else np.asarray(demand, float))
 
 
+def from_ranks(rank_of: list[int], ep_size: int, demand) -> Placement:
+    """The Placement of a given ``rank_of`` (equal experts per rank) and its loads under ``demand``."""
+    _check(len(rank_of), ep_size)
+    L = len(rank_of) // ep_size
+    if sorted(np.bincount(np.asarray(rank_of, dtype=int), minlength=ep_size).tolist()) != [L] * ep_size:
+        raise ValueError(f"placement {list(rank_of)} does not hold {L} experts on each of {ep_size} ranks")
+    return _finish(list(rank_of), ep_size, np.asarray(demand, dtype=float))
+
+
 def lower_bound(demand, ep_size: int) -> float:
     d = np.sort(np.asarray(demand, dtype=float))[::-1]
     L = len(d) // ep_size
@@ -131,7 +140,7 @@ def _swap_improve(rank_of: np.ndarray, loads: np.ndarray, d: np.ndarray, W: int,
 
 
 def refine(placements: list[Placement], slot_counts: np.ndarray, current: list[list[int]] | None = None,
-           move_rows: float = 0.0, max_swaps: int = 1_000) -> list[Placement]:
+           move_rows: float = 0.0, max_swaps: int = 1_000, layer_rows: float = 0.0) -> list[Placement]:
     """Local improvement of each MoE layer's placement on the cost model's EP term for a fixed layout.
 
     ``slot_counts`` [S, Lm, E]: routed copies per expert of each micro-batch slot's tokens (all DP
@@ -140,8 +149,8 @@ def refine(placements: list[Placement], slot_counts: np.ndarray, current: list[l
     ``balanced`` only bounds it from below. Swaps of two experts on different ranks (equal counts
     kept) are made best first while one lowers the term. With ``current`` (each layer's present
     ``rank_of``) every expert away from its current rank adds ``move_rows`` to the term (a migration's
-    seconds per expert in units of the cost model's seconds per routed row), so a swap must pay for
-    the experts it moves. → new placements (loads: the aggregate demand Σ_s X; the lower bound as
+    seconds per expert in units of the cost model's seconds per routed row) and a layer with any
+    expert away adds ``layer_rows`` once (its exchanges), so a swap must pay for what it moves. → new placements (loads: the aggregate demand Σ_s X; the lower bound as
     ``balanced``'s)."""
     X = np.asarray(slot_counts, dtype=float)
     out = []
@@ -156,11 +165,12 @@ def refine(placements: list[Placement], slot_counts: np.ndarray, current: list[l
             now = loads.max(1).sum()
             shift = onehot[r][None, :, :] - onehot[r][:, None, :]   # [E, E, W]: row a leaves r[a] for r[b]
             new = (loads[:, None, None, :] + D[..., None] * shift[None]).max(-1).sum(0)   # [E, E]
-            if cur is not None and move_rows:
+            if cur is not None and (move_rows or layer_rows):
                 away = (r != cur).astype(float)                     # a swap: a goes to r[b], b to r[a]
-                now += move_rows * away.sum()
-                new += move_rows * (away.sum() - away[:, None] - away[None, :]
-                                    + (r[None, :] != cur[:, None]) + (r[:, None] != cur[None, :]))
+                after = (away.sum() - away[:, None] - away[None, :]
+                         + (r[None, :] != cur[:, None]) + (r[:, None] != cur[None, :]))
+                now += move_rows * away.sum() + layer_rows * (away.sum() > 0)
+                new += move_rows * after + layer_rows * (after > 0)
             new[r[:, None] == r[None, :]] = np.inf
             a, b = np.unravel_index(np.argmin(new), new.shape)
             if not new[a, b] < now - 1e-9 * max(now, 1.0):

@@ -131,16 +131,47 @@ def place(samples: list[Sample], ep_size: int, current: list[list[int]] | None =
             for l in range(len(d))]
 
 
+def place_demand(demand: np.ndarray, ep_size: int, current: list[list[int]] | None = None, tolerance: float = 0.0,
+                 move_rows: float = 0.0, layer_rows: float = 0.0) -> list[pl.Placement]:
+    """Placements from a window's aggregate demand [Lm, E] alone (no layout: what the RL trainer has).
+
+    Per MoE layer ``placement.balanced`` (moves from ``current`` kept within ``tolerance``); with
+    ``current`` and a migration price in routed rows (``move_rows`` per moved expert, ``layer_rows``
+    per layer changed: the cost model's ``move_s / e`` and ``move_layer_s / e``), that placement is
+    refined on the aggregate as one slot charging its moves (``placement.refine``), and the current
+    placement is kept unless the candidate's max EP-rank load + its migration price is lower than the
+    current max load: a window's EP time (e × max load, the bound the aggregate gives) must gain more
+    than the migration costs."""
+    d = np.asarray(demand, dtype=float)
+    for name, value in (("tolerance", tolerance), ("move_rows", move_rows), ("layer_rows", layer_rows)):
+        if not (value >= 0 and np.isfinite(value)):
+            raise ValueError(f"place_demand: {name} must be a finite number ≥ 0, got {value!r}")
+    out = []
+    for l in range(len(d)):
+        cur = None if current is None else list(current[l])
+        cand = pl.balanced(d[l], ep_size, cur, tolerance=tolerance)
+        if cur is not None and (move_rows or layer_rows):
+            cand = pl.relabel(pl.refine([cand], d[l][None, None, :], [cur], move_rows, layer_rows=layer_rows)[0], cur)
+            moves = int(np.sum(np.asarray(cand.rank_of) != np.asarray(cur)))
+            stay = pl.rank_loads(d[l], cur, ep_size).max()
+            if not cand.max_load + move_rows * moves + layer_rows * (moves > 0) < stay:
+                cand = pl.from_ranks(cur, ep_size, d[l])
+        out.append(cand)
+    return out
+
+
 def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int, cost: CostModel | None = None,
               current: list[list[int]] | None = None, anneal_cfg: AnnealConfig | None = None,
-              placements: list[pl.Placement] | None = None, tolerance: float = 0.0, move_s: float = 0.0) -> Plan:
+              placements: list[pl.Placement] | None = None, tolerance: float = 0.0, move_s: float = 0.0,
+              move_layer_s: float = 0.0) -> Plan:
     """The RoutePack plan of one window (see module docstring). ``current``: each MoE layer's present
     ``rank_of`` (experts kept there while the max load stays within ``tolerance`` of the balanced
     one's). ``placements``: use these (e.g. one placement for a window of several steps, each step
     packed and laid out on its own; see ``plan_window``) instead of step 1 and its refinement."""
     if placements is not None:
         return _plan_step(samples, placements, ep_size, dp_size, token_cap, cost, anneal_cfg)
-    return plan_window([samples], ep_size, dp_size, token_cap, cost, current, anneal_cfg, tolerance, move_s)[0]
+    return plan_window([samples], ep_size, dp_size, token_cap, cost, current, anneal_cfg, tolerance, move_s,
+                       move_layer_s)[0]
 
 
 def _plan_step(samples, places, ep_size, dp_size, token_cap, cost, anneal_cfg, warm: Plan | None = None) -> Plan:
@@ -195,29 +226,42 @@ def moved(placements: list[pl.Placement], current: list[list[int]] | None) -> in
     return int(sum(np.sum(np.asarray(p.rank_of) != np.asarray(c)) for p, c in zip(placements, current)))
 
 
-def window_cost(plans: list[Plan], current: list[list[int]] | None, move_s: float) -> float:
-    """Modeled seconds of a window: its steps' energies plus ``move_s`` per expert migrated into it."""
-    return sum(p.energy for p in plans) + move_s * moved(plans[0].placements, current)
+def migration_cost(placements: list[pl.Placement], current: list[list[int]] | None, move_s: float,
+                   move_layer_s: float = 0.0) -> float:
+    """Modeled seconds of migrating from ``current`` to ``placements``: ``move_s`` per expert that
+    changes rank, ``move_layer_s`` per MoE layer with any (``arbor.plan.cost``)."""
+    if current is None:
+        return 0.0
+    per_layer = [int(np.sum(np.asarray(p.rank_of) != np.asarray(c))) for p, c in zip(placements, current)]
+    return move_s * sum(per_layer) + move_layer_s * sum(m > 0 for m in per_layer)
+
+
+def window_cost(plans: list[Plan], current: list[list[int]] | None, move_s: float, move_layer_s: float = 0.0) -> float:
+    """Modeled seconds of a window: its steps' energies plus the migration into it (``migration_cost``)."""
+    return sum(p.energy for p in plans) + migration_cost(plans[0].placements, current, move_s, move_layer_s)
 
 
 def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap: int,
                 cost: CostModel | None = None, current: list[list[int]] | None = None,
-                anneal_cfg: AnnealConfig | None = None, tolerance: float = 0.0, move_s: float = 0.0) -> list[Plan]:
+                anneal_cfg: AnnealConfig | None = None, tolerance: float = 0.0, move_s: float = 0.0,
+                move_layer_s: float = 0.0) -> list[Plan]:
     """One placement for a window of optimizer steps, each step packed and laid out on its own.
 
     1. ``place`` on the window's aggregate demand (moves from ``current`` kept within ``tolerance``);
     2. every step packed and laid out under it (``_plan_step``);
     3. ``placement.refine`` on the EP term of those layouts' slots (Σ over the window's slots of each
        layer's EP peak: what the cost model charges; with ``current``, plus ``move_s`` seconds per
-       expert away from its current rank, what migrating it costs); then every step's layout of 2 is
+       expert away from its current rank and ``move_layer_s`` per layer with any: what migrating
+       costs, ``migration_cost``); then every step's layout of 2 is
        re-scored under the refined placement and annealed from there (rows reused; ``warm_config``:
        the colder half of the temperatures; ~3/4 of a second full pass's time and, on the bench's
        synthetic windows, no worse layouts); the refined plans are kept only when the window's
-       modeled time (``window_cost``: Σ of the steps' energies + ``move_s`` per moved expert) is lower, so
+       modeled time (``window_cost``: Σ of the steps' energies + ``migration_cost``) is lower, so
        refining never makes a window worse.
     → one Plan per step, all with the same placements."""
-    if not (tolerance >= 0 and move_s >= 0):
-        raise ValueError(f"tolerance and move_s must be ≥ 0, got {tolerance} and {move_s}")
+    for name, value in (("tolerance", tolerance), ("move_s", move_s), ("move_layer_s", move_layer_s)):
+        if not (value >= 0 and np.isfinite(value)):
+            raise ValueError(f"plan_window: {name} must be a finite number ≥ 0, got {value!r}")
     cost = cost or CostModel.load()
     for step in steps:
         check_sizes(step, ep_size, dp_size, token_cap)
@@ -225,13 +269,14 @@ def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap
     places = place([x for step in steps for x in step], ep_size, current, tolerance)
     plans = [_plan_step(step, places, ep_size, dp_size, token_cap, cost, anneal_cfg) for step in steps]
     counts = np.concatenate([slot_counts(p, step, ep_size) for p, step in zip(plans, steps)])
-    refined = pl.refine(places, counts, current, move_s / cost.e if cost.e > 0 else 0.0)
+    per_row = (lambda s: s / cost.e) if cost.e > 0 else (lambda s: 0.0)
+    refined = pl.refine(places, counts, current, per_row(move_s), layer_rows=per_row(move_layer_s))
     if current is not None:           # relabelling leaves every slot's peak as it is
         refined = [pl.relabel(q, current[l]) for l, q in enumerate(refined)]
     if any(a.rank_of != b.rank_of for a, b in zip(refined, places)):
         again = [_plan_step(step, refined, ep_size, dp_size, token_cap, cost, anneal_cfg, warm=p)
                  for step, p in zip(steps, plans)]
-        if window_cost(again, current, move_s) < window_cost(plans, current, move_s):
+        if window_cost(again, current, move_s, move_layer_s) < window_cost(plans, current, move_s, move_layer_s):
             plans = again
     total = time.perf_counter() - t0
     for p in plans:                   # the window's planner time, shared by its steps

@@ -14,17 +14,34 @@ interleaving spreads a burst of their load over all the readings instead of one:
 
 The fit (non-negative least squares) is written as JSON (``CostModel.save``) with the shape, the
 threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``).
+
+3. ``calibrate_migration``: the seconds per migrated expert (``CostModel.move_s``), measured where
+   a migration really runs: 2 EP ranks (``arbor.dist.launch``, this module as the rank program),
+   the model sharded over them, fused AdamW with its moments filled by one step; then
+   ``migrate_experts`` (weights + both AdamW moments over the EP all-to-all) to placements that
+   move M experts in one MoE layer or spread over all of them (``migration_points``) and back,
+   ``repeats`` rounds interleaved. A reading is the slowest rank's; each point keeps its fastest.
+   Fit (non-negative least squares): seconds = c + move_layer_s · layers changed + move_s · M (a
+   changed layer costs its collectives whatever it moves: 6 all-to-alls, 2 tensors × 3 states).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arbor.plan.cost import CostModel, fit
+from arbor.plan.cost import CostModel, fit, nonneg_lstsq
+
+MIGRATION_MARK = "PLAN_MIGRATION "
 
 BATCHES = [(32, 16), (64, 16), (128, 8), (256, 4), (512, 2), (1024, 1), (128, 4), (512, 1), (2048, 1), (256, 8)]
 ROWS = [64, 128, 256, 512, 1024]
@@ -103,3 +120,133 @@ def calibrate(model, repeats: int = 3, threads: int = 1, batches=None, rows=None
                 "num_attention_heads", "vocab_size")},
             "expert_rows": rows, "expert_seconds": expert_s, "model_runs": runs}
     return fit(rows, expert_s, runs, len(cfg.moe_layers), cfg.num_experts_per_tok, meta)
+
+
+def migration_points(moe_layers: int, num_experts: int) -> list[tuple[int, int]]:
+    """(MoE layers changed, experts moved) pairs that separate the two costs of a migration: moves
+    within one layer (its per-expert slope) and the same moves spread over every layer."""
+    per_layer = num_experts                                     # swaps: at most every expert of a layer
+    one = sorted({m for m in (2, 4, per_layer // 2, per_layer) if 2 <= m <= per_layer and m % 2 == 0})
+    pts = [(1, m) for m in one]
+    if moe_layers > 1:
+        spread = [m * moe_layers for m in one if m * moe_layers >= 2 * moe_layers]
+        pts += [(moe_layers, m) for m in spread if (moe_layers, m) not in pts]
+    return pts
+
+
+def migration_targets(num_experts: int, moe_layers: int, ep_size: int,
+                      points: list[tuple[int, int]]) -> list[list[list[int]]]:
+    """Per (layers, M) in ``points``: each MoE layer's ``rank_of`` that moves exactly M experts from
+    the contiguous placement, in the first ``layers`` MoE layers (M / layers each, even), by swapping
+    expert j of rank r with expert j of rank r + 1 (r even). → [len(points)][moe_layers][num_experts]."""
+    L = num_experts // ep_size
+    pairs = [(r * L + j, (r + 1) * L + j) for j in range(L) for r in range(0, ep_size - 1, 2)]
+    out = []
+    for layers, M in points:
+        if not (1 <= layers <= moe_layers and M % (2 * layers) == 0 and 0 < M // layers <= 2 * len(pairs)):
+            raise ValueError(f"cannot move {M} experts by swaps in {layers} of {moe_layers} MoE layers "
+                             f"of {num_experts} experts on {ep_size} ranks")
+        rank_of = [[e // L for e in range(num_experts)] for _ in range(moe_layers)]
+        for layer in range(layers):
+            for a, b in pairs[:M // layers // 2]:
+                rank_of[layer][a], rank_of[layer][b] = rank_of[layer][b], rank_of[layer][a]
+        out.append(rank_of)
+    return out
+
+
+def _migration_rank(spec_path: str) -> None:
+    """One rank of ``calibrate_migration`` (run by ``arbor.dist.launch``)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from arbor.dist import DistConfig, init_distributed, shutdown
+    from arbor.models.expert_migration import migrate_experts
+    from arbor.models.expert_parallel import ExpertPlacement
+    spec = json.loads(Path(spec_path).read_text())
+    ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec["timeout_s"]), spec["num_experts"])
+    if spec.get("model"):
+        from arbor.models import load_model
+        model = load_model(spec["model"], dtype=torch.float32, device=ctx.device, ctx=ctx)
+    else:
+        from arbor.bench.ep_worker import build_model
+        model = build_model(spec["shape"], ctx, ctx.device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)   # as arbor train
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()                                                  # the moments exist, as in training
+    opt.zero_grad(set_to_none=True)
+    E, W = spec["num_experts"], ctx.ep_size
+
+    def as_placements(layers):                                  # slots ascending by expert id, as the planner's
+        out = {}
+        for m, rank_of in enumerate(layers):
+            seen, slot_of = [0] * W, []
+            for r in rank_of:
+                slot_of.append(seen[r])
+                seen[r] += 1
+            out[m] = ExpertPlacement(list(rank_of), slot_of, W)
+        return out
+    base = {m: ExpertPlacement.contiguous(E, W) for m in range(len(spec["targets"][0]))}
+    seconds = [[] for _ in spec["targets"]]
+    for rep in range(spec["warmup"] + spec["repeats"]):
+        for k, target in enumerate(spec["targets"]):
+            for place in (as_placements(target), base):         # there and back: both move M experts
+                ctx.barrier("migration start")
+                t0 = time.perf_counter()
+                info = migrate_experts(model, ctx, place, opt)
+                dt = time.perf_counter() - t0
+                if info["moved"] != spec["moved"][k]:
+                    raise RuntimeError(f"migration moved {info['moved']} experts, expected {spec['moved'][k]}")
+                if rep >= spec["warmup"]:
+                    seconds[k].append(dt)
+    ctx.barrier("done")
+    print(MIGRATION_MARK + json.dumps({"rank": ctx.rank, "seconds": seconds}), flush=True)
+    shutdown(ctx)
+
+
+def calibrate_migration(shape: dict | None = None, model_dir: str | None = None, repeats: int = 3,
+                        threads: int = 1, timeout_s: float = 300.0) -> dict:
+    """Measure migrations on 2 EP ranks (module docstring, 3) for the model of ``shape``
+    (``arbor.bench.ep_worker.build_model``'s random weights) or the HF folder ``model_dir``, and fit
+    seconds = c + move_layer_s · (MoE layers changed) + move_s · (experts moved) (non-negative least
+    squares). → {"move_s", "move_layer_s", "intercept_s", "points", "seconds", "r2", ...}."""
+    from arbor.dist.launch import launch
+    from arbor.models import ModelConfig
+    cfg = ModelConfig.from_file(Path(model_dir)) if model_dir else ModelConfig(**shape)
+    E, Lm = cfg.num_experts, len(cfg.moe_layers)
+    if not Lm or E % 2:
+        raise ValueError("migration calibration needs an MoE model with an even number of experts (2 EP ranks)")
+    points = migration_points(Lm, E)
+    targets = migration_targets(E, Lm, 2, points)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"shape": shape, "model": model_dir, "num_experts": E, "targets": targets,
+                "moved": [m for _, m in points], "repeats": repeats, "warmup": 1, "timeout_s": min(120.0, timeout_s)}
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        res = launch([sys.executable, "-m", "arbor.train.plan_calibrate", str(path)], 2, threads,
+                     timeout_s=timeout_s, echo=None)
+    tails = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines[-20:]) for r, lines in enumerate(res.output))
+    found = [[json.loads(x[len(MIGRATION_MARK):]) for x in lines if x.startswith(MIGRATION_MARK)]
+             for lines in res.output]
+    if res.returncode or not all(found):
+        raise RuntimeError(f"migration calibration failed (exit codes {res.codes})\n{tails}")
+    per_rank = [f[-1]["seconds"] for f in found]
+    secs = np.array([min(max(reads) for reads in zip(*(r[k] for r in per_rank))) for k in range(len(points))])
+    X = np.array([[1.0, layers, m] for layers, m in points])
+    w = nonneg_lstsq(X, secs)
+    res2 = secs - X @ w
+    r2 = float(1 - (res2 @ res2) / max(((secs - secs.mean()) ** 2).sum(), 1e-30))
+    return {"move_s": float(w[2]), "move_layer_s": float(w[1]), "intercept_s": float(w[0]),
+            "points": [list(p) for p in points], "seconds": secs.tolist(), "r2": r2, "repeats": repeats,
+            "threads": threads}
+
+
+def with_migration(cost: CostModel, migration: dict) -> CostModel:
+    """``cost`` with ``move_s`` and ``move_layer_s`` from ``calibrate_migration``'s result (all of it
+    kept in ``meta['migration']``)."""
+    cost.move_s, cost.move_layer_s = migration["move_s"], migration["move_layer_s"]
+    cost.meta = {**cost.meta, "migration": migration}
+    return cost
+
+
+if __name__ == "__main__":
+    _migration_rank(sys.argv[1])
