@@ -28,7 +28,8 @@ def test_two_rank_rl_with_routepack_migrates_and_resumes(tmp_path):
     out = tmp_path / "out"
     common = [f"model={tmp_path / 'model'}", f"out={out}", "task=longtail", "groups_per_step=2", "checkpoint_every=1",
               "c3po.enabled=false", "rollout.max_turn_tokens=16", "rollout.max_context=120", "rollout.branch=[2]",
-              "dist.timeout_s=30", "plan.routepack=true", "plan.window=1", "engine_dtype=bfloat16"]
+              "dist.timeout_s=30", "plan.routepack=true", "plan.window=1", "engine_dtype=bfloat16",
+              "plan.move_s=0", "plan.move_layer_s=0"]   # moves free, whatever cost file this machine has
     run = arbor_launch("train", "steps=2", *common)
     assert run.returncode == 0, run.stdout + run.stderr
     run = arbor_launch("train", "steps=3", *common)        # resumes with the migrated placement
@@ -40,3 +41,11 @@ def test_two_rank_rl_with_routepack_migrates_and_resumes(tmp_path):
     assert all(r["mismatch_abs"] < 3e-3 for r in rows)    # bf16 rounding (~7e-4); an engine copy left unrelabelled: ~9e-3
     placements = torch.load(out / "final" / "rank0.pt", weights_only=False)["ep_placements"]
     assert set(placements) == {0, 1} and all(sorted(p["rank_of"]) == [0, 0, 1, 1] for p in placements.values())
+    # the same 2 steps (the same routing: migration changes no result) with migration priced far above
+    # any gain (plan.move_s): where the free run moved experts, the priced one keeps every expert
+    assert sum(r["routepack_moved"] for r in rows[:2]) > 0
+    priced = [w.replace(f"out={out}", f"out={tmp_path / 'priced'}") for w in common if not w.startswith("plan.move_s")]
+    run = arbor_launch("train", "steps=2", *priced, "plan.move_s=1000", "plan.tolerance=0.01")
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [json.loads(line) for line in (tmp_path / "priced" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["routepack_moved"] == 0 and r["ep_peak_after"] == r["ep_peak_before"] for r in rows)
