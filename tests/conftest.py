@@ -14,6 +14,8 @@ def hf_config(kind: str):
     import transformers as tf
     if kind == "qwen3":
         return tf.Qwen3Config(**TINY)
+    if kind == "qwen3_hd16":   # head_dim a multiple of 16: the CPU prefill kernel's shapes
+        return tf.Qwen3Config(**(TINY | dict(head_dim=16)))
     if kind == "qwen3_moe":
         return tf.Qwen3MoeConfig(**TINY, **MOE, norm_topk_prob=True)
     if kind == "qwen3_next":
@@ -25,7 +27,7 @@ def hf_model(kind: str, seed: int = 0):
     """A transformers model with every weight perturbed away from its structured init."""
     import transformers as tf
     torch.manual_seed(seed)
-    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
+    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen3_hd16": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
            "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
     model = cls(hf_config(kind)).float().eval()
     with torch.no_grad():

@@ -48,9 +48,50 @@ def test_kernel_matches_attention_over_the_block_table(dtype, heads, kv_heads, h
         assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
 
 
-def tiny_model():
+needs_prefill_kernel = pytest.mark.skipif(cpu_attention.load_prefill_kernel() is None,
+                                          reason="the prefill kernel needs a C compiler and AVX-512")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(4, 2, 64, 16), (8, 1, 128, 32), (4, 4, 48, 16), (16, 8, 128, 16)])
+def test_prefill_kernel_matches_causal_attention_over_the_block_table(dtype, heads, kv_heads, head_dim, bs):
+    """Chunks after 0..100 cached tokens, of 1..70 queries (tiles of 16 full and ragged, a chunk
+    ending mid key-group), rows spaced apart in q, decode rows before the chunks left untouched,
+    1 and 2 threads: float32 within rounding of the float64 reference, bfloat16 within one step."""
     torch.manual_seed(0)
-    cfg = ModelConfig(**TINY)
+    blocks = 40
+    kc = torch.randn(blocks * bs, kv_heads, head_dim).to(dtype)
+    vc = torch.randn(blocks * bs, kv_heads, head_dim).to(dtype)
+    chunks = [(5, 0), (16, 0), (37, 20), (1, 3), (70, 0), (33, 100)]      # (queries, context)
+    width = max(-(-(n + c) // bs) for n, c in chunks)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in chunks]).to(torch.int32)
+    first = 3                                                              # rows 0..2: decodes, not ours
+    rows = [first + sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
+    meta = torch.tensor([rows, [n for n, _ in chunks], [c for _, c in chunks]], dtype=torch.int32)
+    q = torch.randn(rows[-1] + chunks[-1][0], heads + 2, head_dim).to(dtype)[:, :heads]
+    scale = head_dim ** -0.5
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out = torch.full(q.shape, 7.0, dtype=dtype)
+        cpu_attention.paged_prefill_attention(q, kc, vc, tables, meta, bs, scale, out=out)
+        assert (out[:first] == 7).all()
+        for (n, c), r0, table in zip(chunks, rows, tables):
+            slots = torch.tensor([table[t // bs].item() * bs + t % bs for t in range(c + n)])
+            mask = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+            ref = F.scaled_dot_product_attention(q[r0:r0 + n].double().transpose(0, 1), kc[slots].double().transpose(0, 1),
+                                                 vc[slots].double().transpose(0, 1), attn_mask=mask, scale=scale,
+                                                 enable_gqa=True).transpose(0, 1)
+            got = out[r0:r0 + n].double()
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+            else:
+                assert ((got - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+
+
+def tiny_model(**changes):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**(TINY | changes))
     return CausalLM(cfg).eval()
 
 
@@ -64,13 +105,17 @@ PROMPTS = [[1, 2, 3], list(range(5, 45)), list(range(60, 77)), [9] * 20]
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_decodes_the_same_with_and_without_the_kernel(dtype, monkeypatch):
-    model = tiny_model()
-    cfg = EngineConfig(dtype=dtype, num_blocks=64)
+def test_engine_decodes_the_same_with_and_without_the_kernels(dtype, monkeypatch):
+    """Prompts prefilled whole and in chunks after cached context (max_num_batched_tokens 24); head_dim
+    16 so that the prefill kernel serves too."""
+    model = tiny_model(head_dim=16)
+    cfg = EngineConfig(dtype=dtype, num_blocks=64, max_num_batched_tokens=24)
     with_kernel = greedy(LLMEngine(model, cfg), PROMPTS)
     calls = []
-    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a: calls.append(1))
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        monkeypatch.setattr(cpu_attention, name, lambda *a, **k: calls.append(1))
     monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    monkeypatch.setattr(cpu_attention, "supports_prefill", lambda *a: False)
     without = greedy(LLMEngine(model, cfg), PROMPTS)
     assert not calls
     assert with_kernel[0] == without[0]

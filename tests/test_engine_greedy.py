@@ -22,7 +22,7 @@ def prompts(vocab, seed=1):
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_hd16", "qwen3_moe"])
 def hf_case(request, tmp_path_factory):
     hf = hf_model(request.param)
     folder = tmp_path_factory.mktemp(request.param)
@@ -41,24 +41,27 @@ CONFIGS = {
     "chunked": dict(max_num_batched_tokens=7),
     "prefill-first-chunked": dict(policy="prefill-first", max_num_batched_tokens=9),
     "preemption": dict(num_blocks=9, block_size=8),
+    "chunked-preemption-bs16": dict(max_num_batched_tokens=9, num_blocks=5, block_size=16),
     "pd-multiplex-chunked-preemption": dict(policy="pd-multiplex", max_num_batched_tokens=9, num_blocks=9, block_size=8),
     "pd-global-enqueue-preemption": dict(policy="pd-global-enqueue", num_blocks=9, block_size=8),
 }
 
 
-@pytest.mark.parametrize("decode", ["cpu-kernel", "gather-sdpa"])
+@pytest.mark.parametrize("attention", ["cpu-kernels", "gather-sdpa"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_equals_transformers(hf_case, name, decode, monkeypatch):
-    """Both decode-attention paths: the C kernel (CPU) and gather + SDPA (every device)."""
-    if decode == "gather-sdpa":
+def test_greedy_equals_transformers(hf_case, name, attention, monkeypatch):
+    """Both paged-attention paths: the C decode and prefill kernels (CPU; the prefill kernel where
+    the block size is a multiple of 16) and gather + SDPA (every device)."""
+    if attention == "gather-sdpa":
         monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+        monkeypatch.setattr(cpu_attention, "supports_prefill", lambda *a: False)
     model, ps, ref = hf_case
     engine = LLMEngine(model, EngineConfig(**CONFIGS[name]))
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     outs = engine.generate(ps, params)
     assert [o.token_ids for o in outs] == ref
     assert all(o.finish_reason == "length" for o in outs)
-    if name == "preemption":
+    if "preemption" in name and not name.startswith("pd-"):
         assert engine.scheduler.num_preemptions > 0
     if name == "default":  # a second pass hits the prefix cache for every full prompt block
         again = engine.generate(ps, params)

@@ -84,8 +84,9 @@ def test_greedy_equals_single_tier(case, name):
 
 
 def test_gather_sdpa_decode_path(case, monkeypatch):
-    """The decode path of every device (gather the blocks, then SDPA) over staged blocks."""
+    """The paged-attention path of every device (gather the blocks, then SDPA) over staged blocks."""
     monkeypatch.setattr(cpu_attention, "supports", lambda *a: False)
+    monkeypatch.setattr(cpu_attention, "supports_prefill", lambda *a: False)
     kind, model, ps, params, ref = case
     engine = LLMEngine(model, EngineConfig(block_size=8, layer_kv=True, device_kv_blocks=48))
     assert checked_run(engine, ps, params) == ref

