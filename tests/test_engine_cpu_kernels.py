@@ -216,6 +216,31 @@ def test_routed_moe_kernel_matches_float32(tokens, top_k):
         torch.testing.assert_close(got.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.skipif(cpu_moe.load_kernel() is None, reason="the routed MoE kernel needs a C compiler and AVX-512 BF16")
+@pytest.mark.parametrize("norm", [True, False])
+def test_routed_kernel_routes_like_moe_route(norm):
+    """The fused router (softmax, top-k, renormalised weights rounded to bf16) in the kernel: the same
+    ids and probabilities as ``MoE.route``, and the outputs of routing in PyTorch and running the
+    routed kernel (within bf16 rounding); replayed ids keep the PyTorch router."""
+    from arbor.models.moe import MoE
+    torch.manual_seed(0)
+    cfg = ModelConfig(**(TINY | dict(architecture="Qwen3MoeForCausalLM", hidden_size=64, num_experts=6,
+                                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=norm)))
+    moe = MoE(cfg).bfloat16().eval()
+    moe.experts.__class__ = PackedExperts
+    moe.experts.repack()
+    x = torch.randn(37, 64).bfloat16()
+    with torch.no_grad():
+        y, ids, probs = moe(x)
+        ref_ids, ref_w, ref_probs = moe.route(x)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(probs, ref_probs, atol=1e-6, rtol=0)
+        ref = moe.experts.serve(x, ref_ids, ref_w)    # weights may differ in a last bit (C division)
+        torch.testing.assert_close(y.float(), ref.float(), atol=1e-2 * ref.abs().max().item(), rtol=0)
+        replayed = torch.flip(ref_ids, [1])
+        assert torch.equal(moe(x, replayed)[1], replayed)
+
+
 def plain_experts(packed):
     """An ``Experts`` with the packed module's parameters (the unpacked reference path)."""
     plain = Experts(packed.num_experts, packed.gate_up_proj.shape[2], packed.down_proj.shape[2])

@@ -122,6 +122,14 @@ class PackedExperts(Experts):
             return cpu_moe.routed_experts(x, ids, weights, *self.routed)
         return self.dense(x, ids, weights) if x.shape[0] <= DENSE_MAX_TOKENS else None
 
+    def route_and_serve(self, x: torch.Tensor, gate: nn.Module, top_k: int, norm_topk_prob: bool):
+        """``MoE.route`` + ``dispatch_experts`` with the routed kernel doing the router's softmax and
+        top-k too (one call after the router GEMM instead of six small ops): → (y, ids, probs), or None
+        under autograd or without the routed kernel."""
+        if torch.is_grad_enabled() or self.routed is None or x.dtype != torch.bfloat16:
+            return None
+        return cpu_moe.route_and_run(x, gate(x), top_k, norm_topk_prob, *self.routed)
+
     def dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``dispatch_experts`` for a few tokens as two GEMMs over every expert:
         ``h = silu(x G_eᵀ) · (x U_eᵀ)`` for all e at once, ``y = [w_e · h_e]_e · [D_e]_eᵀ`` with

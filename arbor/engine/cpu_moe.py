@@ -19,15 +19,16 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 @cache
 def load_kernel():
-    """→ the C function ``moe_experts_bf16``, or None when it cannot be built or run here."""
+    """→ the library with ``moe_experts_bf16`` and ``moe_route_experts_bf16``, or None when it cannot be
+    built or run here."""
     lib = native.build(SOURCE, FLAGS)
     if lib is None or not lib.moe_experts_bf16_available():
         return None
-    fn = lib.moe_experts_bf16
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i32, i32, i32, ptr, i32]
-    fn.restype = None
-    return fn
+    lib.moe_experts_bf16.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i32, i32, i32, ptr, i32]
+    lib.moe_route_experts_bf16.argtypes = [ptr, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, ptr, i32]
+    lib.moe_experts_bf16.restype = lib.moe_route_experts_bf16.restype = None
+    return lib
 
 
 def supports(hidden_size: int, intermediate_size: int) -> bool:
@@ -53,6 +54,24 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     w = weights.to(torch.float32).contiguous()
     y = torch.empty(t, d, dtype=torch.bfloat16)
     with torch.profiler.record_function("arbor::moe_experts_bf16"):
-        load_kernel()(x.data_ptr(), t, ids.data_ptr(), w.data_ptr(), ids.shape[1], gate_up.data_ptr(), down.data_ptr(),
-                      e, d, i, y.data_ptr(), torch.get_num_threads())
+        load_kernel().moe_experts_bf16(x.data_ptr(), t, ids.data_ptr(), w.data_ptr(), ids.shape[1], gate_up.data_ptr(),
+                                       down.data_ptr(), e, d, i, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def route_and_run(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_prob: bool, gate_up: torch.Tensor,
+                  down: torch.Tensor):
+    """The router after its GEMM and ``routed_experts`` in one call: x [T, D], logits [T, E] bf16 →
+    (y [T, D] bf16, ids [T, k] int64, probs [T, E] float32) as ``MoE.route`` + ``dispatch_experts`` give
+    them (softmax in float32, top-k, renormalised when ``norm_topk_prob``, weights rounded to bf16)."""
+    t, d = x.shape
+    e, i = gate_up.shape[0], down.shape[2] * 2
+    x, logits = x.contiguous(), logits.contiguous()
+    probs = torch.empty(t, e, dtype=torch.float32)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    y = torch.empty(t, d, dtype=torch.bfloat16)
+    with torch.profiler.record_function("arbor::moe_experts_bf16"):
+        load_kernel().moe_route_experts_bf16(x.data_ptr(), logits.data_ptr(), t, top_k, int(norm_topk_prob),
+                                             probs.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+                                             e, d, i, y.data_ptr(), torch.get_num_threads())
+    return y, ids, probs

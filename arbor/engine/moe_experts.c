@@ -117,6 +117,44 @@ void moe_experts_bf16(const uint16_t *x, int T, const int64_t *ids, const float 
     }
     free(start); free(fill); free(token); free(weight); free(h);
 }
+
+/* The router and the experts in one call, for a step without replayed ids: logits [T, E] bf16 (the
+   router GEMM's output) → probs [T, E] = softmax(logits) in float32; ids [T, k] = its top k (larger
+   first, the lower expert on a tie); w = probs[ids], divided by their sum when `norm`, then rounded to
+   bf16 as the PyTorch path's ``weights.to(x.dtype)``; y as moe_experts_bf16. */
+void moe_route_experts_bf16(const uint16_t *x, const uint16_t *logits, int T, int k, int norm, float *probs,
+                            int64_t *ids, const uint16_t *gate_up, const uint16_t *down, int E, int D, int I,
+                            uint16_t *y, int num_threads) {
+    float *w = malloc(sizeof(float) * (size_t)T * k);
+    for (int t = 0; t < T; t++) {
+        float *p = probs + (long)t * E, mx = -INFINITY, z = 0.f, sum = 0.f;
+        for (int e = 0; e < E; e++) {
+            uint32_t u = (uint32_t)logits[(long)t * E + e] << 16;
+            memcpy(p + e, &u, 4);
+            mx = p[e] > mx ? p[e] : mx;
+        }
+        for (int e = 0; e < E; e++) { p[e] = expf(p[e] - mx); z += p[e]; }
+        for (int e = 0; e < E; e++) p[e] /= z;
+        int64_t *id = ids + (long)t * k;
+        for (int j = 0; j < k; j++) {   /* k passes of selection: k is small */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            id[j] = best;
+            sum += p[best];
+        }
+        for (int j = 0; j < k; j++) {
+            float v = norm ? p[id[j]] / sum : p[id[j]];
+            uint32_t u; memcpy(&u, &v, 4); u += 0x7FFFu + ((u >> 16) & 1u); u &= 0xFFFF0000u;
+            memcpy(w + (long)t * k + j, &u, 4);
+        }
+    }
+    moe_experts_bf16(x, T, ids, w, k, gate_up, down, E, D, I, y, num_threads);
+    free(w);
+}
 #else
 int moe_experts_bf16_available(void) { return 0; }
 #endif

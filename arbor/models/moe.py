@@ -103,9 +103,15 @@ class MoE(nn.Module):
         return ids, weights.to(x.dtype), probs
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):
-        """x [T, D] → (y [T, D], routed ids [T, k], router probabilities [T, E] float32)."""
-        ids, weights, probs = self.route(x, ids)
-        y = self.dispatch(x, ids, weights, self.experts)
+        """x [T, D] → (y [T, D], routed ids [T, k], router probabilities [T, E] float32). An expert
+        module with a ``route_and_serve`` method (the engine's packed CPU copy) may run the router
+        after its GEMM and the experts itself, when no ids are replayed."""
+        fused = getattr(self.experts, "route_and_serve", None)
+        if fused is not None and ids is None and (out := fused(x, self.gate, self.top_k, self.norm_topk_prob)):
+            y, ids, probs = out
+        else:
+            ids, weights, probs = self.route(x, ids)
+            y = self.dispatch(x, ids, weights, self.experts)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y, ids, probs
