@@ -105,8 +105,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):
         """x [T, D] → (y [T, D], routed ids [T, k], router probabilities [T, E] float32). An expert
         module with a ``route_and_serve`` method (the engine's packed CPU copy) may run the router
-        after its GEMM and the experts itself, when no ids are replayed."""
-        fused = getattr(self.experts, "route_and_serve", None)
+        after its GEMM and the experts itself, when no ids are replayed and the experts are all here
+        (``dispatch_experts``, not expert-parallel exchanges)."""
+        fused = getattr(self.experts, "route_and_serve", None) if self.dispatch is dispatch_experts else None
         if fused is not None and ids is None and (out := fused(x, self.gate, self.top_k, self.norm_topk_prob)):
             y, ids, probs = out
         else:
