@@ -24,6 +24,8 @@
 
 int paged_prefill_available(void) { return 1; }
 
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
 /* e^x for x ≤ 0 (inputs below −87 give ~0; callers mask what must be exactly 0): 2^(x·log2 e) split
    into 2^n · 2^f, f ∈ [−0.5, 0.5], 2^f by a degree-6 polynomial (relative error < 2e-7). */
 static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
@@ -74,8 +76,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
     for (int r = 0; r < nq; r++) {   /* transpose the tile's queries, scaled */
         const long off = (long)(q_row0 + i0 + r) * q_stride + (long)j * D;
         for (int d = 0; d < D; d++)
-            qt[d * 16 + r] = scale * (bf16 ? ({ uint32_t u = (uint32_t)((const uint16_t *)q)[off + d] << 16; float f;
-                                                memcpy(&f, &u, 4); f; }) : ((const float *)q)[off + d]);
+            qt[d * 16 + r] = scale * (bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d]);
     }
     const long stride = D;   /* between the rows rows16 returns */
     /* lane r sees keys ≤ context + i0 + r; the tile's last key: */
