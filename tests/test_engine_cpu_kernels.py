@@ -214,6 +214,8 @@ def test_routed_moe_kernel_matches_float32(tokens, top_k):
         torch.set_num_threads(threads)
         got = cpu_moe.routed_experts(x, ids, w, *packed)
         torch.testing.assert_close(got.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="expert ids must lie in 0..5"):   # checked before any write
+        cpu_moe.routed_experts(x, torch.full_like(ids, e_), w, *packed)
 
 
 @pytest.mark.skipif(cpu_moe.load_kernel() is None, reason="the routed MoE kernel needs a C compiler and AVX-512 BF16")

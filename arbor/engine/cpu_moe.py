@@ -27,7 +27,8 @@ def load_kernel():
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.moe_experts_bf16.argtypes = [ptr, i32, ptr, ptr, i32, ptr, ptr, i32, i32, i32, ptr, i32]
     lib.moe_route_experts_bf16.argtypes = [ptr, ptr, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32, i32, ptr, i32]
-    lib.moe_experts_bf16.restype = lib.moe_route_experts_bf16.restype = None
+    lib.moe_experts_bf16.restype = ctypes.c_int
+    lib.moe_route_experts_bf16.restype = None
     return lib
 
 
@@ -54,8 +55,11 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     w = weights.to(torch.float32).contiguous()
     y = torch.empty(t, d, dtype=torch.bfloat16)
     with torch.profiler.record_function("arbor::moe_experts_bf16"):
-        load_kernel().moe_experts_bf16(x.data_ptr(), t, ids.data_ptr(), w.data_ptr(), ids.shape[1], gate_up.data_ptr(),
-                                       down.data_ptr(), e, d, i, y.data_ptr(), torch.get_num_threads())
+        bad = load_kernel().moe_experts_bf16(x.data_ptr(), t, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                                             gate_up.data_ptr(), down.data_ptr(), e, d, i, y.data_ptr(),
+                                             torch.get_num_threads())
+    if bad:
+        raise ValueError(f"expert ids must lie in 0..{e - 1}; got {ids.min().item()}..{ids.max().item()}")
     return y
 
 

@@ -74,11 +74,14 @@ static inline __attribute__((always_inline)) void down_tile(const uint16_t *h, i
 }
 
 /* x [T, D] bf16; ids [T, k] int64; weights [T, k] float32; gate_up [E][2I/16][D/2][16][2] and
-   down [E][D/16][I/2][16][2] bf16 (see above); y [T, D] bf16. D % 16 == 0, I % 16 == 0. */
-void moe_experts_bf16(const uint16_t *x, int T, const int64_t *ids, const float *weights, int k,
+   down [E][D/16][I/2][16][2] bf16 (see above); y [T, D] bf16. D % 16 == 0, I % 16 == 0.
+   → 0, or −1 (nothing computed, y untouched) when an id is outside 0..E−1. */
+int moe_experts_bf16(const uint16_t *x, int T, const int64_t *ids, const float *weights, int k,
                       const uint16_t *gate_up, const uint16_t *down, int E, int D, int I, uint16_t *y,
                       int num_threads) {
     const int P = T * k, NB1 = I / 16, NB2 = D / 16;
+    for (int i = 0; i < P; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -1;
     int32_t *start = calloc((size_t)E + 1, sizeof(int32_t)), *fill = malloc(sizeof(int32_t) * (size_t)E);
     int32_t *token = malloc(sizeof(int32_t) * (size_t)P);
     float *weight = malloc(sizeof(float) * (size_t)P);
@@ -116,6 +119,7 @@ void moe_experts_bf16(const uint16_t *x, int T, const int64_t *ids, const float 
         }
     }
     free(start); free(fill); free(token); free(weight); free(h);
+    return 0;
 }
 
 /* The router and the experts in one call, for a step without replayed ids: logits [T, E] bf16 (the
@@ -152,7 +156,7 @@ void moe_route_experts_bf16(const uint16_t *x, const uint16_t *logits, int T, in
             memcpy(w + (long)t * k + j, &u, 4);
         }
     }
-    moe_experts_bf16(x, T, ids, w, k, gate_up, down, E, D, I, y, num_threads);
+    (void)moe_experts_bf16(x, T, ids, w, k, gate_up, down, E, D, I, y, num_threads);   /* ids valid by construction */
     free(w);
 }
 #else
