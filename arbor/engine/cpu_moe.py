@@ -40,7 +40,7 @@ def pack_vnni(w: torch.Tensor) -> torch.Tensor:
     """[..., N, K] → [..., N/16, K/2, 16, 2] bfloat16, contiguous: 16 output columns × 2 inputs
     per 64 bytes, the operand layout of vdpbf16ps."""
     *lead, n, k = w.shape
-    return (w.detach().to(torch.bfloat16).reshape(*lead, n // 16, 16, k // 2, 2).transpose(-3, -2).contiguous())
+    return w.detach().to(torch.bfloat16).reshape(*lead, n // 16, 16, k // 2, 2).transpose(-3, -2).contiguous()
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

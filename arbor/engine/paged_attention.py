@@ -125,7 +125,8 @@ class PagedAttention:
                 mask = (pos[None, :] < torch.tensor(ctx[g0:g0 + cnt])[:, None])[:, None, None, :].to(device)
                 groups.append(DecodeGroup(g0, cnt, torch.tensor(tables, device=device).view(-1), mask))
         chunks, t, prefill = [], nd, None
-        if len(lengths) > nd and cpu_attention.supports_prefill(device, cache.k.dtype, cache.k.shape[-1], bs):
+        if (len(lengths) > nd and (kernel is not None or not nd)      # the two kernels share one output
+                and cpu_attention.supports_prefill(device, cache.k.dtype, cache.k.shape[-1], bs)):
             width = max(-(-(c + n) // bs) for c, n in zip(starts[nd:], lengths[nd:]))
             tables = [tb[:width] + [0] * (width - len(tb[:width])) for tb in block_tables[nd:]]
             rows = list(accumulate(lengths[nd:-1], initial=nd))
@@ -147,7 +148,7 @@ class PagedAttention:
         kc, vc = self.cache.k[a], self.cache.v[a]
         kc.index_copy_(0, self.slot_mapping, k)
         vc.index_copy_(0, self.slot_mapping, v)
-        if self.prefill_kernel is not None and (self.decode_kernel is not None or not self.num_decodes):
+        if self.prefill_kernel is not None:   # (then decodes, if any, have their kernel too: build)
             out = torch.empty_like(q, memory_format=torch.contiguous_format)   # both kernels write their rows
             if self.num_decodes:
                 cpu_attention.paged_decode_attention(q[:self.num_decodes], kc, vc, *self.decode_kernel,
@@ -158,9 +159,6 @@ class PagedAttention:
         if self.decode_kernel is not None:
             outs.append(cpu_attention.paged_decode_attention(q[:self.num_decodes], kc, vc, *self.decode_kernel,
                                                              self.cache.block_size, scale))
-        if self.prefill_kernel is not None:
-            outs.append(cpu_attention.paged_prefill_attention(q, kc, vc, *self.prefill_kernel, self.cache.block_size,
-                                                              scale)[self.num_decodes:])
         for g in self.decodes:
             keys, values = self.cache.gather_blocks(a, g.blocks)
             shape = (g.count, -1, *k.shape[1:])

@@ -15,7 +15,6 @@
    block_size must be a multiple of 16 (a group of 16 keys is contiguous in one cache block).
    Built and loaded by arbor/engine/cpu_attention.py. */
 #include <float.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
