@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from arbor.dist import CollectiveError, TagMismatchError
+    from arbor.dist.allocator import tune_allocator
     try:
+        tune_allocator()
         result = args.func(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"arbor {args.command}: error: {e}", file=sys.stderr)

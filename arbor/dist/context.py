@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from arbor.dist.allocator import tune_allocator
+
 
 @dataclass
 class DistConfig:
@@ -186,6 +188,7 @@ def resolve_ep_size(cfg: DistConfig, world_size: int, num_experts: int) -> int:
 def init_distributed(cfg: DistConfig | None = None, num_experts: int = 0, device: str = "cpu") -> DistContext:
     """Join the run described by torchrun's environment (see module docstring); → the rank context."""
     cfg = cfg or DistConfig()
+    tune_allocator()
     world = env_world_size()
     if world <= 1:
         ctx = DistContext.single()
