@@ -83,7 +83,7 @@ def run(a) -> dict:
                 for i, r in enumerate(rs):
                     ax.plot(r[key], color=colors.get(corr), alpha=0.8, lw=1, label=corr if i == 0 else None)
             ax.set_title(key), ax.set_xlabel("RL step")
-            if key == "grad_norm":
+            if key == "grad_norm" and any(v > 0 for rs in runs.values() for r in rs for v in r[key]):
                 ax.set_yscale("log")
         axes[0].legend()
         fig.tight_layout()
