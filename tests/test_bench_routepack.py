@@ -27,8 +27,11 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
     for p in r["planner"].values():
         for w in p["windows"]:     # RoutePack never models worse than its own start; all methods planned
             assert set(w["energy"]) == {"token balance", "KK + static", "RoutePack"} and w["rows"] >= w["bound"]
+            assert 0 < w["bound_s"] <= min(w["energy"].values()) + 1e-12           # the step's lower bound
+        assert all(v >= 1 - 1e-12 for v in p["over_bound"].values())
     for m in r["measured"].values():
         assert all(v > 0 for v in m["tokens_per_s"].values()) and len(m["tokens_per_step"]) == 2
+        assert all(0 < b <= e + 1e-12 for b, e in zip(m["modeled_bound_s"], m["modeled_step_s"]["RoutePack"]))
         assert len(m["window_migrations"]) == 1 and m["window_migrations"][0]["to_step"] == 1   # 2 windows of 1 step
     assert [t["name"].split(",")[0] for t in r["targets"]][0] == "measured tokens/s"
     for t in r["targets"]:

@@ -10,7 +10,7 @@ from arbor.plan import AnnealConfig, CostModel, Sample, balanced, karmarkar_karp
 from arbor.plan.cost import fit
 from arbor.plan.layout import anneal, energy
 from arbor.plan.packing import best_fit_decreasing, lower_bound_l1, lower_bound_l2, min_slack
-from arbor.plan.routepack import grid_start, place, problem
+from arbor.plan.routepack import grid_start, place, problem, step_lower_bound
 from arbor.plan.traces import synthetic
 
 COST = CostModel(a=2e-4, b=1e-7, e=1e-4, c0=5e-3)
@@ -106,6 +106,30 @@ def test_routepack_plans_keep_every_invariant(seed):
     for p in plan.placements:
         assert sorted(p.rank_of) == sorted(list(range(ep)) * (8 // ep))
     assert plan.energy <= plan.stats["start_energy"] + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_lower_bound_is_below_every_plan(seed):
+    rng = np.random.default_rng(seed)
+    dp, ep = [(2, 2), (4, 2), (2, 1), (4, 4)][seed]
+    samples = trace(seed + 10, n=int(rng.integers(16, 40)))
+    cap = int(rng.integers(256, 1024))
+    bound = step_lower_bound(samples, ep, dp, cap, COST)
+    plans = [routepack(samples, ep, dp, cap, COST, anneal_cfg=FAST), token_balance(samples, ep, dp, cap, COST),
+             kk_workload(samples, ep, dp, cap, COST)]
+    assert 0 < bound <= min(p.energy for p in plans) + 1e-12
+
+
+def test_step_lower_bound_is_reached_where_the_optimum_is_known():
+    """2 samples of equal length, each routing all its copies to its own expert of 4 (2 per EP rank):
+    one per DP rank and the two experts on different EP ranks is optimal, and the bound is its cost:
+    c0 + A(n) + e·n per layer."""
+    counts = [np.array([[100, 0, 0, 0]]), np.array([[0, 100, 0, 0]])]
+    samples = [Sample(100, c) for c in counts]
+    bound = step_lower_bound(samples, 2, 2, 128, COST)
+    assert bound == pytest.approx(COST.c0 + COST.attention([100])[0] + COST.e * 100)
+    plan = routepack(samples, 2, 2, 128, COST, anneal_cfg=FAST)
+    assert plan.energy == pytest.approx(bound)
 
 
 def test_too_few_samples_for_the_grid_is_an_error():

@@ -11,8 +11,8 @@ from arbor.plan.cost import CostModel, default_cost_file
 from arbor.plan.layout import AnnealConfig
 from arbor.plan.packing import Packing, pack_rows
 from arbor.plan.placement import Placement, balanced, contiguous
-from arbor.plan.routepack import Plan, Sample, evaluate, plan_window, routepack
+from arbor.plan.routepack import Plan, Sample, evaluate, plan_window, routepack, step_lower_bound
 
 __all__ = ["AnnealConfig", "CostModel", "Packing", "Placement", "Plan", "Sample", "balanced", "contiguous",
            "default_cost_file", "evaluate", "karmarkar_karp", "kk_workload", "pack_rows", "plan_window", "routepack",
-           "token_balance"]
+           "step_lower_bound", "token_balance"]

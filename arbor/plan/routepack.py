@@ -29,7 +29,7 @@ import numpy as np
 from arbor.plan import placement as pl
 from arbor.plan.cost import CostModel
 from arbor.plan.layout import AnnealConfig, Problem, anneal, check_layout, energy
-from arbor.plan.packing import Packing, pack_rows
+from arbor.plan.packing import Packing, lower_bound_l1, pack_rows
 
 
 @dataclass
@@ -282,6 +282,32 @@ def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap
     for p in plans:                   # the window's planner time, shared by its steps
         p.stats.update(planner_s=total / len(steps), window_planner_s=total)
     return plans
+
+
+def step_lower_bound(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int,
+                     cost: CostModel | None = None) -> float:
+    """Modeled seconds that no plan of this step can beat (any placement, rows and layout, the
+    baselines' included). With A_i the attention proxy, d_l the demand of MoE layer l, G = D / EP
+    groups and S ≥ ⌈L1 / D⌉ slots (every cell holds ≤ cap tokens):
+
+        Σ_s cost(s) ≥ S·c0 + max(Σ A / D, max_i A_i) + e · Σ_l LB_l            (G = 1)
+        LB_l = max(Σ d_l / EP, the heaviest expert plus the E/EP − 1 lightest)   (placement.lower_bound)
+
+    since Σ_s max_d A(d, s) ≥ each of the two, and Σ_s max_r X_l[s, r] ≥ max_r Σ_s X_l[s, r] with a
+    placement fixed over the step. With G > 1 groups the step is the slowest group's, at least
+    their mean: S·c0 + Σ A / D + e · Σ_l Σ d_l / (G·EP). The bound adds the attention and expert
+    terms' separate minima, which one plan seldom attains together: a plan's ``energy / bound`` is
+    at least the factor any better plan could still gain on it, under the model."""
+    check_sizes(samples, ep_size, dp_size, token_cap)
+    cost = cost or CostModel.load()
+    groups = dp_size // ep_size
+    attn = cost.attention([s.length for s in samples])
+    slots = -(-lower_bound_l1([s.length for s in samples], token_cap) // dp_size)
+    d = demand(samples)
+    if groups == 1:
+        return float(slots * cost.c0 + max(attn.sum() / dp_size, attn.max())
+                     + cost.e * sum(pl.lower_bound(layer, ep_size) for layer in d))
+    return float(slots * cost.c0 + attn.sum() / dp_size + cost.e * d.sum() / (groups * ep_size))
 
 
 def evaluate(plan_cells: list[list[list[int]]], placements: list[pl.Placement], samples: list[Sample], ep_size: int,
