@@ -2,9 +2,11 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from arbor.cli import main
+from arbor.plan.cost import nonneg_lstsq
 
 TINY = ["--hidden", "64", "--experts", "4", "--moe-intermediate", "64", "--layers", "2", "--vocab", "256"]
 
@@ -16,7 +18,11 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
     assert all(c[k] >= 0 for k in ("a", "b", "e", "c0")) and c["meta"]["shape"]["num_experts"] == 4
     mig = c["meta"]["migration"]            # timed on 2 ranks: (layers changed, experts moved) → seconds
     assert c["move_s"] >= 0 and c["move_layer_s"] >= 0 and mig["points"] == [[1, 2], [1, 4], [2, 4], [2, 8]]
-    assert len(mig["seconds"]) == 4 and all(t > 0 for t in mig["seconds"]) and c["move_layer_s"] + c["move_s"] > 0
+    assert len(mig["seconds"]) == 4 and all(t > 0 for t in mig["seconds"])
+    # the stored prices are the non-negative fit of the recorded points (tiny migrations take a few ms,
+    # so a slope may fit to 0 on a noisy run: the fit is checked, not the sign of the noise)
+    fitted = nonneg_lstsq(np.array([[1.0, layers, m] for layers, m in mig["points"]]), np.array(mig["seconds"]))
+    assert np.allclose(fitted, [mig["intercept_s"], c["move_layer_s"], c["move_s"]])
     assert main(["bench", "routepack", "--out", str(tmp_path), *TINY, "--windows", "3", "--samples", "16",
                  "--recorded-windows", "1", "--token-cap", "256", "--max-len", "256", "--measure-steps", "2",
                  "--window-steps", "1", "--step-samples", "8", "--repeats", "1", "--warmup", "0", "--population", "4",
