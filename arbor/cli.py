@@ -361,14 +361,21 @@ def add_plan(sub) -> None:
     c.add_argument("--out", help="where to write the JSON (default: $ARBOR_CACHE or ~/.cache/arbor/plan_cost.json)")
     c.add_argument("--no-migration", action="store_true",
                    help="skip timing expert migrations on 2 EP ranks (seconds per moved expert and per changed layer)")
+    c.add_argument("--ep", action="store_true",
+                   help="fit the step coefficients (a, b, c0, c1, e) on 2 EP ranks' busy time per micro-batch "
+                        "instead of one process's (what expert-parallel steps cost, exchanges included)")
+    c.add_argument("--ep-slots", type=int, default=24, help="micro-batches timed with --ep (≥ 6)")
+    c.add_argument("--ep-max-tokens", type=int, default=2048, help="the most tokens of a rank's micro-batch with --ep")
 
     def run(a):
         import torch
 
         from arbor.plan.cost import default_cost_file
-        from arbor.train.plan_calibrate import calibrate, calibrate_migration, with_migration
+        from arbor.train.plan_calibrate import calibrate, calibrate_ep, calibrate_migration, with_ep_fit, with_migration
         if a.repeats < 1 or a.threads < 1:
             raise ValueError(f"--repeats and --threads must be ≥ 1, got {a.repeats} and {a.threads}")
+        if a.ep_slots < 6 or a.ep_max_tokens < 16:
+            raise ValueError(f"--ep-slots must be ≥ 6 and --ep-max-tokens ≥ 16, got {a.ep_slots} and {a.ep_max_tokens}")
         shape = None
         if a.model:
             from arbor.models import load_model
@@ -385,8 +392,14 @@ def add_plan(sub) -> None:
         print(f"a={cost.a:.4g} s/token  b={cost.b:.4g} s/token²  c1={cost.c1:.4g} s/sequence  "
               f"e={cost.e:.4g} s/routed row/layer  c0={cost.c0:.4g} s/micro-batch"
               f"  (R² experts {cost.meta['expert_fit_r2']:.3f}, steps {cost.meta['step_fit_r2']:.3f})")
+        del model                          # the 2 ranks below build their own halves
+        if a.ep:
+            ep = calibrate_ep(shape, a.model, repeats=a.repeats, threads=a.threads, max_tokens=a.ep_max_tokens,
+                              count=a.ep_slots)
+            cost = with_ep_fit(cost, ep)
+            print(f"2 EP ranks ({ep['slots']} micro-batches): a={cost.a:.4g}  b={cost.b:.4g}  c1={cost.c1:.4g}  "
+                  f"e={cost.e:.4g}  c0={cost.c0:.4g}  (R² {ep['r2']:.3f}); these replace the one-process fit")
         if not a.no_migration:
-            del model                      # the 2 ranks build their own halves
             mig = calibrate_migration(shape, a.model, repeats=a.repeats, threads=a.threads)
             cost = with_migration(cost, mig)
             print(f"migration (2 EP ranks): move_s={cost.move_s:.4g} s per moved expert  "

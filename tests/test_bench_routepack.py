@@ -7,14 +7,20 @@ import pytest
 
 from arbor.cli import main
 from arbor.plan.cost import nonneg_lstsq
+from arbor.train.plan_calibrate import ep_features, ep_slots
 
 TINY = ["--hidden", "64", "--experts", "4", "--moe-intermediate", "64", "--layers", "2", "--vocab", "256"]
 
 
 def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
     cost = tmp_path / "cost.json"
-    assert main(["plan", "calibrate", *TINY, "--repeats", "1", "--out", str(cost)]) in (0, None)
+    assert main(["plan", "calibrate", *TINY, "--repeats", "1", "--out", str(cost), "--ep", "--ep-slots", "6",
+                 "--ep-max-tokens", "64"]) in (0, None)
     c = json.loads(cost.read_text())
+    ep = c["meta"]["ep_fit"]                 # the step coefficients fitted on 2 EP ranks replace one process's
+    fitted = nonneg_lstsq(np.array(ep["features"]), np.array(ep["seconds"]))
+    assert np.allclose(fitted, [c["c0"], c["c1"], c["a"], c["b"], c["e"]]) and len(ep["seconds"]) == 2 * 6
+    assert all(t > 0 for t in ep["seconds"]) and set(c["meta"]["one_process"]) == {"a", "b", "e", "c0", "c1"}
     assert all(c[k] >= 0 for k in ("a", "b", "e", "c0")) and c["meta"]["shape"]["num_experts"] == 4
     mig = c["meta"]["migration"]            # timed on 2 ranks: (layers changed, experts moved) → seconds
     assert c["move_s"] >= 0 and c["move_layer_s"] >= 0 and mig["points"] == [[1, 2], [1, 4], [2, 4], [2, 8]]
@@ -64,3 +70,17 @@ def test_migration_targets_move_exactly_what_they_say():
         assert all(sorted(layer) == [0] * 8 + [1] * 8 for layer in rank_of)
     with pytest.raises(ValueError, match="cannot move 3"):
         migration_targets(16, 4, 2, [(1, 3)])
+
+
+def test_ep_slots_cover_both_ranks_and_every_routed_copy():
+    """Every slot gives each rank a non-empty cell within the token budget; the routed rows of a slot
+    over both ranks are every copy of its tokens (k per token and MoE layer), and they move with
+    the placement: the design separates tokens from routed rows."""
+    design = ep_slots(num_experts=4, moe_layers=2, top_k=2, max_tokens=64, count=8, seed=1)
+    X = ep_features(design)
+    assert X.shape == (16, 5) and (X[:, 1] >= 1).all() and (X[:, 2] <= 64).all()
+    for s, slot in enumerate(design["cells"]):
+        tokens = sum(design["lengths"][i] for cell in slot for i in cell)
+        assert X[2 * s, 4] + X[2 * s + 1, 4] == 2 * 2 * tokens
+    share = X[:, 4] / (2 * 2 * np.repeat(X[0::2, 2] + X[1::2, 2], 2))
+    assert share.std() > 0.02 and np.linalg.matrix_rank(X) == 5

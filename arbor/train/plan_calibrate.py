@@ -23,6 +23,12 @@ threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``
    ``repeats`` rounds interleaved. A reading is the slowest rank's; each point keeps its fastest.
    Fit (non-negative least squares): seconds = c + move_layer_s · layers changed + move_s · M (a
    changed layer costs its collectives whatever it moves: 6 all-to-alls, 2 tensors × 3 states).
+4. ``calibrate_ep`` (``--ep``): the step coefficients again, where the planner's steps run: 2 EP
+   ranks, each micro-batch (``ep_slots``: long, medium, short and mixed cells per rank, skewed
+   routing, 4 placements) timed as each rank's busy CPU seconds, fitted per rank by
+   c0 + c1·sequences + a·tokens + b·Σ n² + e·routed rows to its experts. They replace 1–2's a, b,
+   c0, c1, e (kept in ``meta['one_process']``): one process misses what EP adds per token and row
+   (the exchanges' copies, the gathers around them), ~15–20 % of a step on the bench ep shape.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch.nn.functional as F
 from arbor.plan.cost import CostModel, fit, nonneg_lstsq
 
 MIGRATION_MARK = "PLAN_MIGRATION "
+SLOTS_MARK = "PLAN_EP_SLOTS "
 
 BATCHES = [(32, 16), (64, 16), (128, 8), (256, 4), (512, 2), (1024, 1), (128, 4), (512, 1), (2048, 1), (256, 8)]
 ROWS = [64, 128, 256, 512, 1024]
@@ -156,40 +163,23 @@ def migration_targets(num_experts: int, moe_layers: int, ep_size: int,
 
 def _migration_rank(spec_path: str) -> None:
     """One rank of ``calibrate_migration`` (run by ``arbor.dist.launch``)."""
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from arbor.dist import DistConfig, init_distributed, shutdown
     from arbor.models.expert_migration import migrate_experts
     from arbor.models.expert_parallel import ExpertPlacement
     spec = json.loads(Path(spec_path).read_text())
     ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec["timeout_s"]), spec["num_experts"])
-    if spec.get("model"):
-        from arbor.models import load_model
-        model = load_model(spec["model"], dtype=torch.float32, device=ctx.device, ctx=ctx)
-    else:
-        from arbor.bench.ep_worker import build_model
-        model = build_model(spec["shape"], ctx, ctx.device)
-    model.train()
+    model = _rank_model(spec, ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)   # as arbor train
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()                                                  # the moments exist, as in training
     opt.zero_grad(set_to_none=True)
     E, W = spec["num_experts"], ctx.ep_size
-
-    def as_placements(layers):                                  # slots ascending by expert id, as the planner's
-        out = {}
-        for m, rank_of in enumerate(layers):
-            seen, slot_of = [0] * W, []
-            for r in rank_of:
-                slot_of.append(seen[r])
-                seen[r] += 1
-            out[m] = ExpertPlacement(list(rank_of), slot_of, W)
-        return out
     base = {m: ExpertPlacement.contiguous(E, W) for m in range(len(spec["targets"][0]))}
     seconds = [[] for _ in spec["targets"]]
     for rep in range(spec["warmup"] + spec["repeats"]):
         for k, target in enumerate(spec["targets"]):
-            for place in (as_placements(target), base):         # there and back: both move M experts
+            for place in (_placements(target, W), base):         # there and back: both move M experts
                 ctx.barrier("migration start")
                 t0 = time.perf_counter()
                 info = migrate_experts(model, ctx, place, opt)
@@ -248,5 +238,171 @@ def with_migration(cost: CostModel, migration: dict) -> CostModel:
     return cost
 
 
+def ep_slots(num_experts: int, moe_layers: int, top_k: int, max_tokens: int = 2048, count: int = 24,
+             placements: int = 4, seed: int = 0) -> dict:
+    """The slots ``calibrate_ep`` times on 2 EP ranks: ``count`` slots in ``placements`` groups (one
+    random balanced placement per group and MoE layer; the first group contiguous), each rank's cell
+    one of: one long sequence, a few medium ones, many short ones, or a mix, of 1/8 … all of
+    ``max_tokens`` tokens; routing from ``arbor.plan.traces.synthetic`` (Zipf-skewed per layer), so
+    that the routed rows per rank vary apart from the tokens. → {"cells": [slot][rank] → sample ids,
+    "lengths", "ids": per sample [Lm, n, k], "rank_of": [group][layer][expert], "group_of_slot"}."""
+    from arbor.plan.traces import synthetic
+    rng = np.random.default_rng(seed)
+    lengths, cells = [], []
+    for _ in range(count):
+        slot = []
+        for _ in range(2):
+            total = int(max_tokens * rng.choice([0.125, 0.25, 0.5, 0.75, 1.0]))
+            kind = rng.integers(4)
+            parts = max(1, {0: 1, 1: 4, 2: 16, 3: 6}[int(kind)])
+            if kind == 3:                                        # one long sequence and short ones
+                cut = rng.dirichlet(np.ones(parts) * 0.3)
+            else:
+                cut = np.full(parts, 1.0 / parts)
+            sizes = np.maximum(1, np.floor(cut * total).astype(int))
+            sizes[np.argmax(sizes)] -= max(0, int(sizes.sum()) - max(total, parts))   # the 1-token floor's excess
+            slot.append(list(range(len(lengths), len(lengths) + len(sizes))))
+            lengths += sizes.tolist()
+        cells.append(slot)
+    ids = []
+    for i, n in enumerate(lengths):
+        ids.append(synthetic(1, num_experts, moe_layers, top_k, seed=seed * 1000 + i, max_len=n, min_len=n)[0][0][:, :n])
+    L = num_experts // 2
+    rank_of = [[[e // L for e in range(num_experts)] for _ in range(moe_layers)]]
+    for _ in range(placements - 1):
+        rank_of.append([(rng.permutation(num_experts) // L).tolist() for _ in range(moe_layers)])
+    group_of_slot = [s * placements // count for s in range(count)]
+    return {"cells": cells, "lengths": lengths, "ids": ids, "rank_of": rank_of, "group_of_slot": group_of_slot}
+
+
+def ep_features(design: dict) -> np.ndarray:
+    """Per (slot, rank): [1, sequences, tokens, Σ n², routed rows to the rank's experts over every
+    MoE layer (from both ranks' cells)] — the terms of ``arbor.plan.cost`` for one EP rank."""
+    rows = []
+    for s, slot in enumerate(design["cells"]):
+        rank_of = np.asarray(design["rank_of"][design["group_of_slot"][s]])        # [Lm, E]
+        members = [i for cell in slot for i in cell]
+        for r, cell in enumerate(slot):
+            n = np.array([design["lengths"][i] for i in cell], float)
+            routed = sum(int((rank_of[l][np.asarray(design["ids"][i][l])] == r).sum())
+                         for i in members for l in range(rank_of.shape[0]))
+            rows.append([1.0, len(n), n.sum(), (n * n).sum(), float(routed)])
+    return np.array(rows)
+
+
+def calibrate_ep(shape: dict | None = None, model_dir: str | None = None, repeats: int = 3, threads: int = 1,
+                 timeout_s: float = 600.0, max_tokens: int = 2048, count: int = 24, seed: int = 0) -> dict:
+    """The step coefficients measured where the planner's steps run: 2 EP ranks (attention DP on the
+    same ranks), each rank's busy seconds (its process CPU time: the exchanges' copies included,
+    waiting for the peer not) per slot of ``ep_slots``, fastest of ``repeats`` interleaved rounds,
+    fitted (non-negative least squares) by c0 + c1·sequences + a·tokens + b·Σ n² + e·routed rows
+    (``ep_features``). → {"a", "b", "e", "c0", "c1", "r2", "features", "seconds", ...}."""
+    from arbor.dist.launch import launch
+    from arbor.models import ModelConfig
+    cfg = ModelConfig.from_file(Path(model_dir)) if model_dir else ModelConfig(**shape)
+    E, Lm = cfg.num_experts, len(cfg.moe_layers)
+    if not Lm or E % 2:
+        raise ValueError("EP calibration needs an MoE model with an even number of experts (2 EP ranks)")
+    design = ep_slots(E, Lm, cfg.num_experts_per_tok, max_tokens, count, seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        offsets = np.cumsum([0] + design["lengths"])
+        np.savez(Path(tmp) / "ids.npz", ids=np.concatenate(design["ids"], 1), offsets=offsets)
+        spec = {"mode": "slots", "shape": shape, "model": model_dir, "num_experts": E, "cells": design["cells"],
+                "rank_of": design["rank_of"], "group_of_slot": design["group_of_slot"], "ids": str(Path(tmp) / "ids.npz"),
+                "vocab_size": cfg.vocab_size, "repeats": repeats, "warmup": 1, "timeout_s": min(120.0, timeout_s)}
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        res = launch([sys.executable, "-m", "arbor.train.plan_calibrate", str(path)], 2, threads,
+                     timeout_s=timeout_s, echo=None)
+    tails = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines[-20:]) for r, lines in enumerate(res.output))
+    found = [[json.loads(x[len(SLOTS_MARK):]) for x in lines if x.startswith(SLOTS_MARK)] for lines in res.output]
+    if res.returncode or not all(found):
+        raise RuntimeError(f"EP calibration failed (exit codes {res.codes})\n{tails}")
+    busy = [f[-1]["seconds"] for f in found]                      # [rank][slot] → fastest busy seconds
+    secs = np.array([busy[r][s] for s in range(len(design["cells"])) for r in range(2)])
+    X = ep_features(design)
+    w = nonneg_lstsq(X, secs)
+    resid = secs - X @ w
+    r2 = float(1 - (resid @ resid) / max(((secs - secs.mean()) ** 2).sum(), 1e-30))
+    return {"c0": float(w[0]), "c1": float(w[1]), "a": float(w[2]), "b": float(w[3]), "e": float(w[4]),
+            "r2": r2, "features": X.tolist(), "seconds": secs.tolist(), "repeats": repeats, "threads": threads,
+            "slots": len(design["cells"]), "max_tokens": max_tokens}
+
+
+def with_ep_fit(cost: CostModel, ep: dict) -> CostModel:
+    """``cost`` with its step coefficients from ``calibrate_ep`` (the one-process fit kept in
+    ``meta['one_process']``, the EP measurements in ``meta['ep_fit']``)."""
+    cost.meta = {**cost.meta, "one_process": {k: getattr(cost, k) for k in ("a", "b", "e", "c0", "c1")}, "ep_fit": ep}
+    cost.a, cost.b, cost.e, cost.c0, cost.c1 = ep["a"], ep["b"], ep["e"], ep["c0"], ep["c1"]
+    return cost
+
+
+def _slots_rank(spec: dict) -> None:
+    """One rank of ``calibrate_ep``: every slot's forward + backward of this rank's cell, the
+    placement of the slot's group applied first (untimed); busy = process CPU seconds."""
+    import resource
+
+    from arbor.bench.routepack_worker import load_traces
+    from arbor.dist import DistConfig, init_distributed, shutdown
+    from arbor.models import VarlenAttention
+    from arbor.models.expert_migration import migrate_experts
+    ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec["timeout_s"]), spec["num_experts"])
+    model = _rank_model(spec, ctx)
+    traces = load_traces(spec["ids"])
+    g = torch.Generator().manual_seed(ctx.rank)
+    tokens = [torch.randint(0, spec["vocab_size"], (t.shape[1],), generator=g) for t in traces]
+
+    def cpu() -> float:
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    best = [float("inf")] * len(spec["cells"])
+    group = None
+    for rep in range(spec["warmup"] + spec["repeats"]):
+        for s, slot in enumerate(spec["cells"]):
+            if spec["group_of_slot"][s] != group:
+                group = spec["group_of_slot"][s]
+                migrate_experts(model, ctx, _placements(spec["rank_of"][group], ctx.ep_size))
+            members = slot[ctx.rank]
+            ids = torch.cat([tokens[i] for i in members])
+            routed = torch.from_numpy(np.concatenate([traces[i] for i in members], 1))
+            attn = VarlenAttention.from_lengths([len(tokens[i]) for i in members])
+            ctx.barrier("slot start")
+            t0 = cpu()
+            logits = model.logits(model(ids, attn, routed_experts=routed).hidden)
+            F.cross_entropy(logits, torch.roll(ids, -1)).backward()
+            dt = cpu() - t0
+            model.zero_grad(set_to_none=True)
+            if rep >= spec["warmup"]:
+                best[s] = min(best[s], dt)
+    ctx.barrier("done")
+    print(SLOTS_MARK + json.dumps({"rank": ctx.rank, "seconds": best}), flush=True)
+    shutdown(ctx)
+
+
+def _placements(layers: list[list[int]], ep_size: int) -> dict:
+    """Each MoE layer's ``rank_of`` → ``ExpertPlacement`` with slots ascending by expert id (as the
+    planner's)."""
+    from arbor.models.expert_parallel import ExpertPlacement
+    out = {}
+    for m, rank_of in enumerate(layers):
+        seen, slot_of = [0] * ep_size, []
+        for r in rank_of:
+            slot_of.append(seen[r])
+            seen[r] += 1
+        out[m] = ExpertPlacement(list(rank_of), slot_of, ep_size)
+    return out
+
+
+def _rank_model(spec: dict, ctx):
+    if spec.get("model"):
+        from arbor.models import load_model
+        return load_model(spec["model"], dtype=torch.float32, device=ctx.device, ctx=ctx).train()
+    from arbor.bench.ep_worker import build_model
+    return build_model(spec["shape"], ctx, ctx.device).train()
+
+
 if __name__ == "__main__":
-    _migration_rank(sys.argv[1])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _spec = json.loads(Path(sys.argv[1]).read_text())
+    _slots_rank(_spec) if _spec.get("mode") == "slots" else _migration_rank(sys.argv[1])
