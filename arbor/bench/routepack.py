@@ -9,8 +9,9 @@ Traces (every sample's replayed expert ids per MoE layer and token):
   measured steps take the first ``--step-samples`` rollouts of the first windows.
 
 (a) Planner only, per window of ``--samples`` samples: the modeled step time (``arbor.plan.cost``,
-fitted by ``arbor plan calibrate`` or read from ``--cost-file``) of RoutePack, token balancing and
-KK + static contiguous experts; the rate of windows whose row count is certified; planner seconds.
+read from ``--cost-file`` or else fitted here as ``arbor plan calibrate --ep`` does) of RoutePack,
+token balancing and KK + static contiguous experts, and each one's ratio to the step's lower bound
+(``step_lower_bound``); the rate of windows whose row count is certified; planner seconds.
 
 (b) Measured: 2 ranks × 1 thread, EP 2 with DP attention on the same ranks (``routepack_worker``),
 training steps on both trace kinds; per window of ``--window-steps`` steps RoutePack places experts
@@ -215,9 +216,10 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
 
         from arbor.bench.ep_worker import build_model
         from arbor.dist import DistContext
-        from arbor.train.plan_calibrate import calibrate, calibrate_migration, with_migration
-        print("calibrating the cost model on this machine (1 thread; migrations on 2 ranks) ...", flush=True)
+        from arbor.train.plan_calibrate import calibrate, calibrate_ep, calibrate_migration, with_ep_fit, with_migration
+        print("calibrating the cost model on this machine (as `arbor plan calibrate --ep`: 2 EP ranks) ...", flush=True)
         cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
+        cost = with_ep_fit(cost, calibrate_ep(shape, repeats=3, timeout_s=timeout_s, max_tokens=cap))
         cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
         cost.save(Path(out_dir) / "routepack_cost.json")
     if measure and cost.move_s is None and (move_s is None or move_layer_s is None):
