@@ -364,8 +364,8 @@ def add_plan(sub) -> None:
     c.add_argument("--ep", action="store_true",
                    help="fit the step coefficients (a, b, c0, c1, e) on 2 EP ranks' busy time per micro-batch "
                         "instead of one process's (what expert-parallel steps cost, exchanges included)")
-    c.add_argument("--ep-slots", type=int, default=24, help="micro-batches timed with --ep (≥ 6)")
-    c.add_argument("--ep-max-tokens", type=int, default=2048, help="the most tokens of a rank's micro-batch with --ep")
+    c.add_argument("--ep-slots", type=int, help="micro-batches timed with --ep (≥ 6; default 24)")
+    c.add_argument("--ep-max-tokens", type=int, help="the most tokens of a rank's micro-batch with --ep (default 2048)")
 
     def run(a):
         import torch
@@ -374,6 +374,10 @@ def add_plan(sub) -> None:
         from arbor.train.plan_calibrate import calibrate, calibrate_ep, calibrate_migration, with_ep_fit, with_migration
         if a.repeats < 1 or a.threads < 1:
             raise ValueError(f"--repeats and --threads must be ≥ 1, got {a.repeats} and {a.threads}")
+        if not a.ep and (a.ep_slots is not None or a.ep_max_tokens is not None):
+            raise ValueError("--ep-slots and --ep-max-tokens shape the --ep measurement; add --ep or drop them")
+        a.ep_slots = 24 if a.ep_slots is None else a.ep_slots
+        a.ep_max_tokens = 2048 if a.ep_max_tokens is None else a.ep_max_tokens
         if a.ep_slots < 6 or a.ep_max_tokens < 16:
             raise ValueError(f"--ep-slots must be ≥ 6 and --ep-max-tokens ≥ 16, got {a.ep_slots} and {a.ep_max_tokens}")
         shape = None

@@ -57,6 +57,9 @@ def test_bad_flags_exit_2_before_any_work(tmp_path, capsys):
                  ["--move-layer-s", "inf"]):
         assert main(["bench", "routepack", *TINY, "--out", str(tmp_path / "never"), *flag]) == 2
         assert flag[0] in capsys.readouterr().err
+    for flags in (["--ep", "--ep-slots", "0"], ["--ep", "--ep-max-tokens", "8"], ["--ep-slots", "8"]):
+        assert main(["plan", "calibrate", *TINY, "--out", str(tmp_path / "never" / "cost.json"), *flags]) == 2
+        assert flags[-2] in capsys.readouterr().err       # named, and refused before anything is measured
     assert not (tmp_path / "never").exists()
 
 
