@@ -8,9 +8,11 @@ thread) takes ~40,000 minor faults a step, and two ranks faulting at once conten
 page allocator — the slowdown of a slot where both ranks work, which RoutePack's balanced slots
 create (README, `arbor bench routepack`).
 
-``tune_allocator()`` sets M_MMAP_THRESHOLD = 32 MiB (glibc's largest), M_TRIM_THRESHOLD = 4 GiB and
-M_TOP_PAD = 256 MiB: blocks under 32 MiB come from the heap and return to it. Cost: a process keeps
-up to ~4 GiB of freed heap instead of giving it back. ``ARBOR_MALLOC=system`` keeps glibc's defaults
+``tune_allocator()`` sets M_MMAP_THRESHOLD = 32 MiB (glibc's largest), M_TOP_PAD = 256 MiB and
+M_TRIM_THRESHOLD = 0: blocks under 32 MiB come from the heap and return to it, and a trim (glibc
+checks at every large free) gives back only the heap top beyond the 256 MiB pad. Cost: a process
+keeps freed heap below its top (where the next step's blocks go again) plus up to 256 MiB on top.
+(mallopt takes a C int: the values must fit one; 4 GiB would wrap to 0.) ``ARBOR_MALLOC=system`` keeps glibc's defaults
 (any other value than ``tuned`` or ``system`` is refused). A no-op where the C library is not glibc.
 Called at the start of every ``arbor`` command and of every rank (``init_distributed``).
 """
@@ -22,7 +24,7 @@ import os
 import platform
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3          # glibc's <malloc.h>
-SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 4 << 30), (M_TOP_PAD, 256 << 20))
+SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 0), (M_TOP_PAD, 256 << 20))
 CHOICES = ("tuned", "system")
 
 

@@ -93,6 +93,12 @@ def nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return w
 
 
+def r_squared(X: np.ndarray, w: np.ndarray, y: np.ndarray) -> float:
+    """1 − Σ residual² / Σ (y − ȳ)² of the fit X·w to y."""
+    res = y - X @ w
+    return float(1 - (res @ res) / max(((y - y.mean()) ** 2).sum(), 1e-30))
+
+
 def fit(expert_rows: list[int], expert_seconds: list[float], runs: list[dict], moe_layers: int,
         top_k: int, meta: dict | None = None) -> CostModel:
     """Fit the coefficients from measurements.
@@ -112,11 +118,6 @@ def fit(expert_rows: list[int], expert_seconds: list[float], runs: list[dict], m
     y = secs - e * moe_layers * top_k * tokens
     X = np.stack([np.ones_like(tokens), seqs, tokens, squares], 1)
     c0, c1, a, b = nonneg_lstsq(X, y)
-
-    def r2(Xm, w, target):
-        res = target - Xm @ w
-        return float(1 - (res @ res) / max(((target - target.mean()) ** 2).sum(), 1e-30))
-
-    meta = {**(meta or {}), "expert_fit_r2": r2(np.stack([np.ones_like(R), R], 1), e_fit, t),
-            "step_fit_r2": r2(X, np.array([c0, c1, a, b]), y), "runs": len(runs)}
+    meta = {**(meta or {}), "expert_fit_r2": r_squared(np.stack([np.ones_like(R), R], 1), e_fit, t),
+            "step_fit_r2": r_squared(X, np.array([c0, c1, a, b]), y), "runs": len(runs)}
     return CostModel(a=float(a), b=float(b), e=e, c0=float(c0), c1=float(c1), meta=meta)

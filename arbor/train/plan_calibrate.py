@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from arbor.plan.cost import CostModel, fit, nonneg_lstsq
+from arbor.plan.cost import CostModel, fit, nonneg_lstsq, r_squared
 
 MIGRATION_MARK = "PLAN_MIGRATION "
 SLOTS_MARK = "PLAN_EP_SLOTS "
@@ -193,38 +193,49 @@ def _migration_rank(spec_path: str) -> None:
     shutdown(ctx)
 
 
+def _two_rank_moe(shape: dict | None, model_dir: str | None, what: str):
+    """The config of the model to measure on 2 EP ranks; refuses one without an even expert count."""
+    from arbor.models import ModelConfig
+    cfg = ModelConfig.from_file(Path(model_dir)) if model_dir else ModelConfig(**shape)
+    if not cfg.moe_layers or cfg.num_experts % 2:
+        raise ValueError(f"{what} needs an MoE model with an even number of experts (2 EP ranks)")
+    return cfg
+
+
+def _run_ranks(tmp: Path, spec: dict, mark: str, threads: int, timeout_s: float, what: str) -> list[dict]:
+    """Run this module as 2 ranks on ``spec`` (written to ``tmp``) → each rank's last ``mark`` line,
+    parsed; a failed launch or a silent rank raises with the ranks' last lines."""
+    from arbor.dist.launch import launch
+    path = tmp / "spec.json"
+    path.write_text(json.dumps(spec))
+    res = launch([sys.executable, "-m", "arbor.train.plan_calibrate", str(path)], 2, threads,
+                 timeout_s=timeout_s, echo=None)
+    found = [[json.loads(x[len(mark):]) for x in lines if x.startswith(mark)] for lines in res.output]
+    if res.returncode or not all(found):
+        tails = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines[-20:]) for r, lines in enumerate(res.output))
+        raise RuntimeError(f"{what} failed (exit codes {res.codes})\n{tails}")
+    return [f[-1] for f in found]
+
+
 def calibrate_migration(shape: dict | None = None, model_dir: str | None = None, repeats: int = 3,
                         threads: int = 1, timeout_s: float = 300.0) -> dict:
     """Measure migrations on 2 EP ranks (module docstring, 3) for the model of ``shape``
     (``arbor.bench.ep_worker.build_model``'s random weights) or the HF folder ``model_dir``, and fit
     seconds = c + move_layer_s · (MoE layers changed) + move_s · (experts moved) (non-negative least
     squares). → {"move_s", "move_layer_s", "intercept_s", "points", "seconds", "r2", ...}."""
-    from arbor.dist.launch import launch
-    from arbor.models import ModelConfig
-    cfg = ModelConfig.from_file(Path(model_dir)) if model_dir else ModelConfig(**shape)
+    cfg = _two_rank_moe(shape, model_dir, "migration calibration")
     E, Lm = cfg.num_experts, len(cfg.moe_layers)
-    if not Lm or E % 2:
-        raise ValueError("migration calibration needs an MoE model with an even number of experts (2 EP ranks)")
     points = migration_points(Lm, E)
     targets = migration_targets(E, Lm, 2, points)
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"shape": shape, "model": model_dir, "num_experts": E, "targets": targets,
                 "moved": [m for _, m in points], "repeats": repeats, "warmup": 1, "timeout_s": min(120.0, timeout_s)}
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec))
-        res = launch([sys.executable, "-m", "arbor.train.plan_calibrate", str(path)], 2, threads,
-                     timeout_s=timeout_s, echo=None)
-    tails = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines[-20:]) for r, lines in enumerate(res.output))
-    found = [[json.loads(x[len(MIGRATION_MARK):]) for x in lines if x.startswith(MIGRATION_MARK)]
-             for lines in res.output]
-    if res.returncode or not all(found):
-        raise RuntimeError(f"migration calibration failed (exit codes {res.codes})\n{tails}")
-    per_rank = [f[-1]["seconds"] for f in found]
+        found = _run_ranks(Path(tmp), spec, MIGRATION_MARK, threads, timeout_s, "migration calibration")
+    per_rank = [f["seconds"] for f in found]
     secs = np.array([min(max(reads) for reads in zip(*(r[k] for r in per_rank))) for k in range(len(points))])
     X = np.array([[1.0, layers, m] for layers, m in points])
     w = nonneg_lstsq(X, secs)
-    res2 = secs - X @ w
-    r2 = float(1 - (res2 @ res2) / max(((secs - secs.mean()) ** 2).sum(), 1e-30))
+    r2 = r_squared(X, w, secs)
     return {"move_s": float(w[2]), "move_layer_s": float(w[1]), "intercept_s": float(w[0]),
             "points": [list(p) for p in points], "seconds": secs.tolist(), "r2": r2, "repeats": repeats,
             "threads": threads}
@@ -254,7 +265,7 @@ def ep_slots(num_experts: int, moe_layers: int, top_k: int, max_tokens: int = 20
         for _ in range(2):
             total = int(max_tokens * rng.choice([0.125, 0.25, 0.5, 0.75, 1.0]))
             kind = rng.integers(4)
-            parts = max(1, {0: 1, 1: 4, 2: 16, 3: 6}[int(kind)])
+            parts = {0: 1, 1: 4, 2: 16, 3: 6}[int(kind)]
             if kind == 3:                                        # one long sequence and short ones
                 cut = rng.dirichlet(np.ones(parts) * 0.3)
             else:
@@ -266,7 +277,7 @@ def ep_slots(num_experts: int, moe_layers: int, top_k: int, max_tokens: int = 20
         cells.append(slot)
     ids = []
     for i, n in enumerate(lengths):
-        ids.append(synthetic(1, num_experts, moe_layers, top_k, seed=seed * 1000 + i, max_len=n, min_len=n)[0][0][:, :n])
+        ids.append(synthetic(1, num_experts, moe_layers, top_k, seed=seed * 1000 + i, max_len=n, min_len=n)[0][0])
     L = num_experts // 2
     rank_of = [[[e // L for e in range(num_experts)] for _ in range(moe_layers)]]
     for _ in range(placements - 1):
@@ -297,12 +308,8 @@ def calibrate_ep(shape: dict | None = None, model_dir: str | None = None, repeat
     waiting for the peer not) per slot of ``ep_slots``, fastest of ``repeats`` interleaved rounds,
     fitted (non-negative least squares) by c0 + c1·sequences + a·tokens + b·Σ n² + e·routed rows
     (``ep_features``). → {"a", "b", "e", "c0", "c1", "r2", "features", "seconds", ...}."""
-    from arbor.dist.launch import launch
-    from arbor.models import ModelConfig
-    cfg = ModelConfig.from_file(Path(model_dir)) if model_dir else ModelConfig(**shape)
+    cfg = _two_rank_moe(shape, model_dir, "EP calibration")
     E, Lm = cfg.num_experts, len(cfg.moe_layers)
-    if not Lm or E % 2:
-        raise ValueError("EP calibration needs an MoE model with an even number of experts (2 EP ranks)")
     design = ep_slots(E, Lm, cfg.num_experts_per_tok, max_tokens, count, seed=seed)
     with tempfile.TemporaryDirectory() as tmp:
         offsets = np.cumsum([0] + design["lengths"])
@@ -310,20 +317,12 @@ def calibrate_ep(shape: dict | None = None, model_dir: str | None = None, repeat
         spec = {"mode": "slots", "shape": shape, "model": model_dir, "num_experts": E, "cells": design["cells"],
                 "rank_of": design["rank_of"], "group_of_slot": design["group_of_slot"], "ids": str(Path(tmp) / "ids.npz"),
                 "vocab_size": cfg.vocab_size, "repeats": repeats, "warmup": 1, "timeout_s": min(120.0, timeout_s)}
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec))
-        res = launch([sys.executable, "-m", "arbor.train.plan_calibrate", str(path)], 2, threads,
-                     timeout_s=timeout_s, echo=None)
-    tails = "\n".join(f"--- rank {r} ---\n" + "\n".join(lines[-20:]) for r, lines in enumerate(res.output))
-    found = [[json.loads(x[len(SLOTS_MARK):]) for x in lines if x.startswith(SLOTS_MARK)] for lines in res.output]
-    if res.returncode or not all(found):
-        raise RuntimeError(f"EP calibration failed (exit codes {res.codes})\n{tails}")
-    busy = [f[-1]["seconds"] for f in found]                      # [rank][slot] → fastest busy seconds
+        found = _run_ranks(Path(tmp), spec, SLOTS_MARK, threads, timeout_s, "EP calibration")
+    busy = [f["seconds"] for f in found]                          # [rank][slot] → fastest busy seconds
     secs = np.array([busy[r][s] for s in range(len(design["cells"])) for r in range(2)])
     X = ep_features(design)
     w = nonneg_lstsq(X, secs)
-    resid = secs - X @ w
-    r2 = float(1 - (resid @ resid) / max(((secs - secs.mean()) ** 2).sum(), 1e-30))
+    r2 = r_squared(X, w, secs)
     return {"c0": float(w[0]), "c1": float(w[1]), "a": float(w[2]), "b": float(w[3]), "e": float(w[4]),
             "r2": r2, "features": X.tolist(), "seconds": secs.tolist(), "repeats": repeats, "threads": threads,
             "slots": len(design["cells"]), "max_tokens": max_tokens}
