@@ -33,6 +33,7 @@ from torch import nn
 
 from arbor.dist.all_to_all import PHASES, all_to_all, exchange_counts
 from arbor.models.moe import Experts
+from arbor.models.rows import take_rows
 
 
 @dataclass
@@ -115,7 +116,7 @@ class EPDispatch:
         recv_counts = exchange_counts(self.ctx, counts, self.tag(grad), group)
         send_splits, recv_splits = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         order, token = order.to(x.device), (order // k).to(x.device)
-        rows = all_to_all(self.ctx, x[token], recv_splits, send_splits, group)
+        rows = all_to_all(self.ctx, take_rows(x, token), recv_splits, send_splits, group)
         # rows arrive grouped by (source rank, slot); regroup by slot for one matmul per expert
         slot = torch.arange(L).repeat(W).repeat_interleave(recv_counts.reshape(-1)).to(x.device)
         by_slot = slot.argsort(stable=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.models.attention import sdpa
+from arbor.models.rows import take_rows
 from arbor.models.tree_linear import Segments, segment_depths, tree_segments
 
 
@@ -41,7 +42,7 @@ class SegmentTreeAttention:
             self._keys.append(keys.to(dev))
             self._masks.append(None if ctx == 0 else mask.to(dev))
         # one gather of every run's keys per layer, split per run: autograd then accumulates k/v's
-        # gradient in one index_put (a slice or index per run would zero-fill a full-size gradient each)
+        # gradient in one index_add (a slice or index per run would zero-fill a full-size gradient each)
         self._all_keys = torch.cat(self._keys) if self._keys else torch.zeros(0, dtype=torch.long, device=dev)
         self._key_lens = [k.numel() for k in self._keys]
         self._q_lens = [e - b for b, e in zip(seg.start, seg.end)]   # runs tile the tokens in order
@@ -56,7 +57,8 @@ class SegmentTreeAttention:
     def attend(self, layer_idx, q, k, v, scale):
         if not self._keys:
             return q[:0]
-        ks, vs = k[self._all_keys].split(self._key_lens), v[self._all_keys].split(self._key_lens)
+        ks = take_rows(k, self._all_keys).split(self._key_lens)
+        vs = take_rows(v, self._all_keys).split(self._key_lens)
         outs = []
         for qs, ks_, vs_, mask in zip(q.split(self._q_lens), ks, vs, self._masks):
             # mask None: a root run, plain causal attention over itself

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.models.gated_deltanet import LinearState
+from arbor.models.rows import take_rows
 
 
 @dataclass
@@ -166,15 +167,15 @@ def tree_gated_deltanet(layer, x: torch.Tensor, plan: LinearPlan, state: LinearS
     for call in plan.calls:
         idx = call.index.to(x.device)
         state = _initial_state(layer, call, states, x)
-        y, new = layer(x[idx], call.cu_seqlens, state)
+        y, new = layer(take_rows(x, idx), call.cu_seqlens, state)
         states.append(new)
         own = call.own.to(x.device)
-        outs.append(y[own])
+        outs.append(take_rows(y, own))
         dest.append(idx[own])
     dest = torch.cat(dest)
     order = torch.empty_like(dest)
     order[dest] = torch.arange(dest.numel(), device=dest.device)
-    return torch.cat(outs)[order]
+    return take_rows(torch.cat(outs), order)
 
 
 def _initial_state(layer, call: LinearCall, states: list[LinearState], x: torch.Tensor):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from arbor.models import CausalLM, ModelConfig
+from arbor.models.rows import take_rows
 from arbor.tasks.registry import DIFFUSION_TASKS
 from arbor.train.loop import train_loop
 from arbor.train.optim import OptimConfig
@@ -161,7 +162,7 @@ class PaddedBlockAttention:
         return torch.cat([self._pos[:n] for n in self.lengths])
 
     def attend(self, layer_idx, q, k, v, scale):
-        pad = lambda x: x[self.index]                                                          # [N, L, H, D]
+        pad = lambda x: take_rows(x, self.index)                                                          # [N, L, H, D]
         out = F.scaled_dot_product_attention(pad(q).transpose(1, 2), pad(k).transpose(1, 2), pad(v).transpose(1, 2),
                                              attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2)[self.valid]

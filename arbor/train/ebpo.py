@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from arbor.configs import check
 from arbor.models import BlockDiffusionAttention
+from arbor.models.rows import take_rows
 from arbor.train.losses import LossConfig, policy_loss
 
 ESTIMATORS = ("ebpo", "mean_field")
@@ -98,7 +99,7 @@ class NoisyCleanAttention:
         return self._pos
 
     def attend(self, layer_idx, q, k, v, scale):
-        pad = lambda x: x[self.index].transpose(1, 2)
+        pad = lambda x: take_rows(x, self.index).transpose(1, 2)
         dtype = q.dtype
         out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=self.mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1])
