@@ -113,6 +113,10 @@ class LLMEngine:
             num_blocks, seq_blocks = self.layer_kv.host_blocks, self.layer_kv.max_seq_blocks
             runner_cls, manager_cls, tiers = LayerKVRunner, TieredBlockManager, {"tiers": self.layer_kv}
         self.max_model_len = min(cfg.max_model_len, mc.max_position_embeddings, seq_blocks * cfg.block_size)
+        if self.max_model_len < 2:      # a prompt token and an answer
+            raise ValueError(f"EngineConfig: a sequence can hold {self.max_model_len} token(s) (num_blocks × block_size = "
+                             f"{seq_blocks} × {cfg.block_size}, max_position_embeddings {mc.max_position_embeddings}), so no "
+                             "request could ever run; raise num_blocks or block_size")
         snapshots = cfg.state_snapshots if has_linear and cfg.enable_prefix_caching else 0
         self.runner = runner_cls(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed,
                                  snapshots, cfg.logit_noise_dist, cfg.logit_noise_frac, **tiers)

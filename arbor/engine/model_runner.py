@@ -62,7 +62,7 @@ class ModelRunner:
         lengths = [n for _, n in batch]
         starts = [s.num_computed_tokens for s in seqs]
         if all(n == 1 for n in lengths):
-            ids = [s.token_ids[-1] for s in seqs]
+            ids = [s.token_ids[c] for s, c in zip(seqs, starts)]   # a decode's last token, or a 1-token prefill chunk's
             positions = starts
         else:
             ids, positions = [], []

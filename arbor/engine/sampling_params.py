@@ -32,6 +32,8 @@ class SamplingParams:
                   (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1"),
                   (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"), (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
                   (self.max_tokens >= 1, "max_tokens", "must be >= 1"), (self.logprobs >= 0, "logprobs", "must be >= 0")]
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+        checks += [(whole(getattr(self, k)), k, "must be a whole number") for k in ("n", "top_k", "max_tokens", "logprobs")]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
