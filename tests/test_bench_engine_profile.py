@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from arbor.cli import main
 
 
@@ -13,5 +15,10 @@ def test_engine_profile_smoke(tmp_path):
     assert r["phases_s"]["engine loop, bookkeeping"] >= 0         # the timed phases never overlap
     assert r["phases_s"]["model forward + logits"] > 0 and r["phases_s"]["attention metadata"] > 0
     assert len(r["ops"]) == 5 and r["ops"][0]["seconds"] >= r["ops"][-1]["seconds"]
+    # the phases split the timed pass; its tokens: 6 requests x 4 new tokens (float64 rounding only)
+    assert sum(r["phases_s"].values()) == pytest.approx(r["wall_s"], rel=1e-9)
+    assert r["tokens_per_s"] * r["wall_s"] == pytest.approx(6 * 4, rel=1e-12)
+    totals = [o["seconds"] / o["share"] for o in r["ops"]]        # every share is of the same profiled total
+    assert max(totals) == pytest.approx(min(totals), rel=1e-9)
     gemms = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"}  # oneDNN-packed copy, or plain MKL
     assert any(o["op"] in gemms for o in r["ops"])

@@ -27,6 +27,14 @@ def test_bench_makespan_smoke(tmp_path, capsys):
     names = [t["name"] for t in r["targets"]]
     assert len(names) == 2 and all(set(t) == {"name", "value", "target", "met"} for t in r["targets"])
     assert r["targets"][0]["met"] == (r["targets"][0]["value"] >= 0.20)
+    m = {p: two[p]["median_makespan_s"] for p in ("prefill-first", "mixed", "pd-global-enqueue", "pd-multiplex")}
+    assert [t["value"] for t in r["targets"]] == pytest.approx(      # the cuts, from the makespans it reports
+        [1 - m["pd-multiplex"] / m["prefill-first"], 1 - m["pd-multiplex"] / m["pd-global-enqueue"]], rel=1e-12)
+    assert r["reported"]["pd_multiplex_over_mixed"] == pytest.approx(m["pd-multiplex"] / m["mixed"], rel=1e-12)
+    for res in r["results"].values():     # tokens/s x makespan: the tokens generated, the same for every policy
+        generated = {p: res[p]["tokens_per_s"] * res[p]["median_makespan_s"] for p in m}
+        assert all(g == pytest.approx(round(generated["mixed"]), rel=1e-9) for g in generated.values())
+        assert 4 * 2 * 4 <= round(generated["mixed"]) <= 4 * 2 * 12        # 4 trajectories x 2 turns x 4-12 tokens
     assert set(r["reported"]) == {"pd_multiplex_over_mixed", "pd_multiplex_p99_ttft_over_prefill_first"}
     assert "targets" in capsys.readouterr().out
 

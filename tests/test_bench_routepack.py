@@ -41,10 +41,17 @@ def test_calibrate_then_bench_routepack_smoke(tmp_path, capsys):
             assert set(w["energy"]) == {"token balance", "KK + static", "RoutePack"} and w["rows"] >= w["bound"]
             assert 0 < w["bound_s"] <= min(w["energy"].values()) + 1e-12           # the step's lower bound
         assert all(v >= 1 - 1e-12 for v in p["over_bound"].values())
+        for method, v in p["over_bound"].items():       # Σ modeled seconds ÷ Σ lower bounds, over its windows
+            want = sum(w["energy"][method] for w in p["windows"]) / sum(w["bound_s"] for w in p["windows"])
+            assert v == pytest.approx(want, rel=1e-12)
     for m in r["measured"].values():
         assert all(v > 0 for v in m["tokens_per_s"].values()) and len(m["tokens_per_step"]) == 2
         assert all(0 < b <= e + 1e-12 for b, e in zip(m["modeled_bound_s"], m["modeled_step_s"]["RoutePack"]))
         assert len(m["window_migrations"]) == 1 and m["window_migrations"][0]["to_step"] == 1   # 2 windows of 1 step
+        for method, tps in m["tokens_per_s"].items():   # measured tokens/s: Σ tokens ÷ Σ step seconds
+            assert tps == pytest.approx(sum(m["tokens_per_step"]) / sum(m["step_s"][method]), rel=1e-12)
+    syn = r["measured"]["synthetic"]["tokens_per_s"]
+    assert r["targets"][0]["value"] == pytest.approx(syn["RoutePack"] / syn["KK + static"], rel=1e-12)
     assert [t["name"].split(",")[0] for t in r["targets"]][0] == "measured tokens/s"
     for t in r["targets"]:
         assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)

@@ -2,6 +2,9 @@
 of {name, value, target, met} computed from the run (the figures themselves are README material)."""
 
 import json
+import operator
+import re
+from statistics import median
 
 import pytest
 
@@ -13,8 +16,88 @@ SMALL = {
     "tree": ["--trees", "1", "--prompt", "16", "--turns", "1", "--repeats", "1", "--models", "dense"],
     "rl": ["--repeats", "1", "--prompts", "1", "--trl", "off"],
     "c3po": ["--groups", "2", "--samples", "8"],
-    "mismatch": ["--steps", "2", "--seeds", "1", "--groups", "2", "--max-tokens", "8", "--model", "tiny"],
+    "mismatch": ["--steps", "2", "--seeds", "1", "--groups", "2", "--max-tokens", "24", "--model", "tiny"],
 }   # dllm trains its models for minutes: its targets are checked below on a real evaluation of a tiny model
+# (mismatch: its context is max_tokens + 64 and a longtail prompt is 79 tokens, so --max-tokens 8 sampled nothing)
+
+SAME = dict(rel=1e-12)   # a figure recomputed here by the bench's own formula: equal up to float64 rounding
+
+
+def model_figures(r):
+    for s in r["systems"].values():
+        t = {k: median(v) for k, v in s["seconds"].items()}
+        assert s["median_s"] == t
+        assert s["ratio_arbor_over_transformers"] == pytest.approx(t["arbor"] / t["transformers"], **SAME)
+        assert s["tokens_per_s"]["arbor"] == pytest.approx(1 * 32 / t["arbor"], **SAME)          # --batch 1 --seq-len 32
+    assert [t["value"] for t in r["targets"]] == [s["ratio_arbor_over_transformers"] for s in r["systems"].values()]
+
+
+def engine_figures(r):
+    tps = r["tokens_per_s"]
+    for key, secs in r["seconds"].items():
+        w = r["config"]["workloads"][key.split()[0]]
+        for system, times in secs.items():
+            assert tps[key][system] == pytest.approx(w["requests"] * w["new_tokens"] / median(times), **SAME)
+    assert r["fp32_greedy_equal_share"] == {"batch2 arbor=transformers": 1.0, "mixed4 arbor=transformers": 1.0}
+    got = {t["name"]: t["value"] for t in r["targets"]}
+    for d in ("fp32", "bf16"):
+        want = tps[f"batch2 {d}"]["arbor"] / tps[f"batch2 {d}"]["transformers"]
+        assert got[f"batch2: Arbor / transformers, {d}"] == pytest.approx(want, **SAME)
+
+
+def tree_figures(r):
+    ideal = r["trees"]["total_tokens"] / r["trees"]["compact_tokens"]
+    assert r["trees"]["ideal_speedup"] == pytest.approx(ideal, **SAME)
+    for s in r["systems"].values():
+        t = {k: median(v) for k, v in s["seconds"].items()}
+        assert s["median_s"] == t and s["speedup"] == pytest.approx(t["trajectory"] / t["tree"], **SAME)
+        assert s["speedup_over_ideal"] == pytest.approx(s["speedup"] / ideal, **SAME)
+    assert [t["value"] for t in r["targets"]] == [s["speedup_over_ideal"] for s in r["systems"].values()]
+
+
+def rl_figures(r):
+    for w in r["workloads"].values():
+        a = w["arbor"]
+        assert a["tokens_per_s"] == pytest.approx(a["tokens_per_step"] / a["step_s"], **SAME)
+        assert a["tokens_per_step"] == median(h["tokens"] for h in a["history"])
+        assert all(h["tokens"] == h["finished_tokens"] for h in a["history"])    # every finished model token trained
+
+
+def c3po_figures(r):
+    for s in r["systems"].values():
+        h = s["history"]
+        assert s["samples"] == sum(x["samples"] for x in h) >= 8                    # --samples 8
+        assert s["rollout_s_total"] == pytest.approx(sum(x["rollout_s"] for x in h), **SAME)
+        assert s["rollout_s_per_sample"] == pytest.approx(s["rollout_s_total"] / s["samples"], **SAME)
+        assert all(x["tokens"] == x["finished_tokens"] for x in h)
+    assert all(x["finished_tokens"] >= r["config"]["token_budget"] for x in r["systems"]["c3po++"]["history"])
+    sync, c3po = (r["systems"][k]["rollout_s_per_sample"] for k in ("synchronous", "c3po++"))
+    assert r["rollout_speedup_per_sample"] == pytest.approx(sync / c3po, **SAME) == r["targets"][0]["value"]
+    assert r["targets"][1]["met"] == (abs(r["targets"][1]["value"]) <= 0.05)      # "within ± 0.05 (noise)"
+
+
+def mismatch_figures(r):
+    runs = r["runs"]
+    for run in (x for rs in runs.values() for x in rs):
+        # the engine samples in bfloat16 with Cauchy(2) logit noise on 20 % of positions; the trainer is float32
+        assert min(run["mismatch_abs"]) > 0.1 and min(run["entropy"]) > 0
+        q, g, rew = max(1, len(run["reward"]) // 4), run["grad_norm"], run["reward"]   # the docstring's rule
+        blown = any(run["skipped_steps"]) or any(x != x for x in g) or max(g) > 10 * median(g[:5])
+        assert run["degraded"] == (blown or median(rew[-q:]) < median(rew[:q]))
+    assert [t["value"] for t in r["targets"]] == [sum(x["degraded"] for x in runs[c]) for c in ("none", "icepop")]
+    assert [t["met"] for t in r["targets"]] == [r["targets"][0]["value"] >= 1, r["targets"][1]["value"] == 0]   # 1 seed
+
+
+FIGURES = {"model": model_figures, "engine": engine_figures, "tree": tree_figures, "rl": rl_figures,
+           "c3po": c3po_figures, "mismatch": mismatch_figures}
+OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
+
+
+def met_by_its_target(t):
+    """``met`` of a target written "OP NUMBER" (a comparison that did not run: value None, not met);
+    None for another form (those are checked per bench)."""
+    m = re.fullmatch(r"(>=|<=|==|>|<) (-?[0-9.]+)", t["target"])
+    return None if m is None else t["value"] is not None and OPS[m[1]](t["value"], float(m[2]))
 
 
 def test_every_bench_has_help(capsys):
@@ -31,6 +114,8 @@ def test_bench_writes_targets(tmp_path, name, one_thread, capsys):
     assert result["targets"], name
     for t in result["targets"]:
         assert set(t) == {"name", "value", "target", "met"} and isinstance(t["met"], bool)
+        assert met_by_its_target(t) in (None, t["met"]), t
+    FIGURES[name](result)
     assert (tmp_path / f"{name}.png").exists()
 
 

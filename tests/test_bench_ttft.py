@@ -21,6 +21,15 @@ def test_bench_ttft_smoke(tmp_path, capsys):
     assert lw["offload_bytes"] > 0 and 0 <= lw["overlap"] <= 1
     assert all(set(t) == {"name", "value", "target", "met"} for t in r["targets"])
     assert r["targets"][-1]["met"]                      # greedy outputs identical across the systems
+    req = r["results"]["request-level"]
+    for i, system in enumerate(("layer-wise", "layer-wise+slo")):   # the targets, from the figures it reports
+        res = r["results"][system]
+        assert r["targets"][3 * i]["value"] == pytest.approx(req["ttft_p99_s"] / res["ttft_p99_s"], rel=1e-12)
+        assert r["targets"][3 * i + 1]["value"] == pytest.approx(1 - res["throughput_tok_s"] / req["throughput_tok_s"],
+                                                                 rel=1e-9, abs=1e-12)
+    # throughput x makespan: the tokens generated, the same for every system (5 requests x 4-8 tokens)
+    generated = [res["throughput_tok_s"] * res["makespan_s"] for res in r["results"].values()]
+    assert all(g == pytest.approx(round(generated[0]), rel=1e-9) for g in generated) and 20 <= round(generated[0]) <= 40
     assert "targets" in capsys.readouterr().out
 
 

@@ -79,10 +79,26 @@ def test_placement_reaches_the_known_optimum():
     assert q.max_load == 9 == q.lower_bound       # the busiest expert + the lightest one
 
 
-def test_placement_keeps_experts_where_they_are_when_labels_tie():
-    p = balanced([4, 4, 1, 1], 2, current=[1, 0, 1, 0])
-    assert p.rank_of == [1, 0, 1, 0] or p.max_load == 5
-    assert sum(a == b for a, b in zip(p.rank_of, [1, 0, 1, 0])) >= 2
+def fewest_moves(demand, ep_size, current) -> tuple[float, int]:
+    """Brute force: (least max load of any placement with E / W experts per rank, fewest experts moved
+    from ``current`` among the placements with that load)."""
+    L = len(demand) // ep_size
+    return min((max(np.bincount(ranks, demand, ep_size)), sum(r != c for r, c in zip(ranks, current)))
+               for ranks in itertools.product(range(ep_size), repeat=len(demand))
+               if np.bincount(ranks, minlength=ep_size).tolist() == [L] * ep_size)
+
+
+@pytest.mark.parametrize("demand, current, want", [
+    ([4, 4, 1, 1], [1, 0, 1, 0], (5, 0)),                   # already optimal (ranks relabelled): nothing moves
+    ([4, 4, 1, 1], [0, 0, 1, 1], (5, 2)),                   # a 4 and a 1 trade ranks
+    # 3 ranks: the best of the 6 relabellings of the fresh packing moves 3 (as labelled: 6; swaps from current: 5)
+    ([7, 19, 11, 2, 9, 19, 3, 5, 19], [1, 0, 0, 2, 2, 1, 2, 0, 1], (32, 3)),
+])
+def test_placement_keeps_experts_where_they_are_when_labels_tie(demand, current, want):
+    W = len(set(current))
+    assert fewest_moves(demand, W, current) == want
+    p = balanced(demand, W, current=current)
+    assert (p.max_load, sum(a != b for a, b in zip(p.rank_of, current))) == want
 
 
 def trace(seed, n=24, experts=8, layers=2, max_len=256):
