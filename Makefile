@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo venv clean
+.PHONY: test test-unit test-isa demo venv clean
 
 $(BIN)/arbor: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,18 @@ venv: $(BIN)/arbor
 
 test: venv
 	$(BIN)/python -m pytest || [ $$? -eq 5 ]  # 5: no tests collected
+
+test-unit: venv    # the in-process unit tests: no child processes, Ray, server load or benches
+	$(BIN)/python -m pytest -m "not slow"
+
+# The numerics tests again without Arbor's C kernels, then as on an AVX2-only CPU: PyTorch's
+# kernels, oneDNN and MKL capped at AVX2 and the C kernels built for x86-64-v3 (those needing
+# AVX-512 report themselves unavailable and their callers take the PyTorch path).
+AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ARBOR_CPU_ARCH=x86-64-v3
+test-isa: venv
+	ARBOR_CPU_KERNELS=0 $(BIN)/python -m pytest -m numerics
+	if grep -qw avx2 /proc/cpuinfo; then $(AVX2) $(BIN)/python -m pytest -m numerics; \
+	else echo "test-isa: this CPU has no AVX2; the AVX2 setting is its default run"; fi
 
 demo: venv
 	$(BIN)/arbor demo

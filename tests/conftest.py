@@ -55,3 +55,42 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# Markers (registered in pyproject.toml). `pytest -m "not slow"` runs the in-process unit tests
+# in about a minute; `make test` runs everything; `make test-isa` reruns the `numerics` tests under
+# other instruction sets. Each entry: a file, or file::test for one test of a file.
+MARKS = {
+    "multiprocess": [   # child processes: ranks, `arbor` CLI runs, servers started as programs
+        "test_dist.py", "test_pd_multiplex.py", "test_serve_ranks.py", "test_routepack_migration.py",
+        "test_cli_determinism.py", "test_server_shutdown.py", "test_allocator.py", "test_sandbox.py",
+        "test_python_tool.py::test_demonstrations_run_in_the_sandbox_and_print_the_answer",
+        "test_plan.py::test_plan_package_imports_no_torch", "test_engine_cli.py::test_python_dash_m_arbor_is_the_arbor_command",
+        "test_rl_objectives.py::test_invalid_overrides_exit_2_with_the_key_named_before_anything_runs",
+        "test_rl_overlap.py::test_overlap_keys_are_validated",
+        "test_diffusion_server.py::test_arbor_serve_serves_a_block_diffusion_folder"],
+    "ray": ["test_cluster.py", "test_bench_cluster.py"],
+    "server_load": ["test_server_load.py", "test_server_hardening.py::test_health_stays_fast_while_busy_and_rejecting_a_20mb_prompt"],
+    "bench": ["test_bench_*.py", "test_tree_bench.py", "test_diffusion_bench.py", "test_dllm_rl_bench.py",
+              "test_rl_overlap.py::test_bench_rl_times_both_schedules"],
+    "numerics": [       # results that depend on kernels and instruction sets: float equalities, greedy tokens
+        "test_model_attention.py", "test_tree_model.py", "test_tree_batch.py", "test_gated_deltanet.py", "test_moe.py",
+        "test_models_hf.py", "test_cpu_ops.py", "test_engine_cpu_kernels.py", "test_engine_greedy.py",
+        "test_engine_sampling.py", "test_engine_async.py", "test_engine_config.py", "test_layerkv.py", "test_sft.py",
+        "test_train_resume.py", "test_losses.py", "test_rl_loop.py", "test_rl_objectives.py", "test_rl_overlap.py",
+        "test_rl_engine_copy.py", "test_ebpo.py", "test_ebpo_trainer.py", "test_tad.py", "test_tad_delta.py",
+        "test_diffusion_train.py", "test_diffusion_decode.py", "test_server.py", "test_dist.py",
+        "test_cli_determinism.py", "test_routepack_migration.py", "test_bench_rl.py"],
+}
+SLOW = ("multiprocess", "ray", "server_load", "bench")
+
+
+def pytest_collection_modifyitems(config, items):
+    from fnmatch import fnmatch
+    for item in items:
+        file, test = item.path.name, item.originalname
+        for mark, where in MARKS.items():
+            if any(fnmatch(file, w) if "::" not in w else w == f"{file}::{test}" for w in where):
+                item.add_marker(mark)
+        if any(item.get_closest_marker(m) for m in SLOW):
+            item.add_marker("slow")

@@ -5,6 +5,11 @@ without OpenMP and then without ``-march=native`` for compilers that lack them (
 into ``$ARBOR_CACHE`` (default ``~/.cache/arbor``). The file name hashes the source, the flags
 and the CPU's feature flags, so an edited source or another CPU builds anew. No compiler, a
 failed build, or ``ARBOR_CPU_KERNELS=0`` → ``None``: callers keep their PyTorch path.
+
+``ARBOR_CPU_ARCH`` (default ``native``) is the ``-march`` the kernels are built for: e.g.
+``x86-64-v3`` builds them as for an AVX2-only CPU, where the kernels that need AVX-512 report
+themselves unavailable and their callers take the PyTorch path (``make test-isa``). A value the
+compiler refuses raises ``ValueError`` naming it, instead of silently running without kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,17 +36,25 @@ def _cpu_id() -> str:
 
 
 def build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
-    if os.environ.get("ARBOR_CPU_KERNELS", "1") == "0":
+    kernels = os.environ.get("ARBOR_CPU_KERNELS", "1")
+    if kernels not in ("0", "1"):
+        raise ValueError(f"ARBOR_CPU_KERNELS={kernels!r}: must be 1 (build and use the C kernels) or 0 (PyTorch only)")
+    if kernels == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.info("no C compiler found; %s is not built, the PyTorch path runs instead", source.name)
         return None
-    flags = [*flags, "-shared", "-fPIC"]
+    arch = os.environ.get("ARBOR_CPU_ARCH", "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", arch):
+        raise ValueError(f"ARBOR_CPU_ARCH={arch!r} is not a -march value (e.g. native, x86-64-v3, skylake-avx512)")
+    flags = [f"-march={arch}" if f == "-march=native" else f for f in flags] + ["-shared", "-fPIC"]
     key = hashlib.sha1(source.read_bytes() + " ".join([cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     out = Path(os.environ.get("ARBOR_CACHE", Path.home() / ".cache" / "arbor")) / f"{source.stem}_{key}.so"
     tries = [flags, [f for f in flags if not f.startswith("-fopenmp")],
              [f for f in flags if not f.startswith("-fopenmp") and f != "-march=native"]]
+    if arch != "native":     # a chosen target is never dropped: the build must honour it or fail
+        tries = tries[:2]
     try:
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -55,5 +69,8 @@ def build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(out))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
+        if arch != "native" and isinstance(e, subprocess.CalledProcessError):
+            raise ValueError(f"ARBOR_CPU_ARCH={arch!r}: the C compiler could not build {source.name} for it "
+                             f"({detail}); use a -march value it knows, or unset ARBOR_CPU_ARCH") from None
         log.warning("could not build %s (%s); the PyTorch path runs instead", source.name, detail)
         return None
