@@ -38,26 +38,30 @@ def hidden(model, seqs):
 
 
 def case_ep_grad(ctx, out: Path, dtype: str):
-    """EP forward and gradients equal one process's; rank 1 also runs a forward with no tokens."""
+    """EP forward and gradients equal one process's; rank 1 also runs a forward with no tokens.
+    float32 is held to 10× its own rounding error (|float32 − float64| of the one-process run, measured
+    here: 1.4e-6 on an AVX-512 Xeon); float64 to 1e-10 (gradients up to 2.4e2: 4e-13 relative, ~2e3 float64 eps; measured 0)."""
     dt = getattr(torch, dtype)
-    tol = 1e-10 if dt == torch.float64 else 1e-5
     torch.manual_seed(0)
     ref = CausalLM(tiny_config(True)).to(dt)
+    wide = copy.deepcopy(ref).double()          # the float64 reference that measures dt's rounding noise
     ep = copy.deepcopy(ref)
     shard_experts(ep, ctx)
     batches = {0: [sequences(1, 3), sequences(2, 2)], 1: [sequences(3, 2), []]}   # rank 1: no tokens in pass 2
-    worst = 0.0
+    worst = noise = 0.0
     for k in range(2):
         mine = batches[ctx.rank][k]
         if mine:
             h = hidden(ep, mine)
             worst = max(worst, float((h - hidden(ref, mine)).detach().abs().max()))
+            noise = max(noise, float((hidden(ref, mine) - hidden(wide, mine)).detach().abs().max()))
             (h.square().sum()).backward()
         else:
             idle_forward(ep).backward()
         everyone = [s for r in (0, 1) for s in batches[r][k]]
         hidden(ref, everyone).square().sum().backward()
-    for (name, p), (_, q) in zip(ep.named_parameters(), ref.named_parameters()):
+        hidden(wide, everyone).square().sum().backward()
+    for (name, p), (_, q), (_, w) in zip(ep.named_parameters(), ref.named_parameters(), wide.named_parameters()):
         want = q.grad
         if ".mlp.experts." in name:
             layer = ep.get_submodule(name.rsplit(".", 1)[0])
@@ -67,20 +71,22 @@ def case_ep_grad(ctx, out: Path, dtype: str):
         if p.grad is None and want is None:
             continue
         worst = max(worst, float((p.grad - want).abs().max()))
-    print(f"max diff {worst:.3g}")
+        noise = max(noise, float((q.grad - w.grad).abs().max()))
+    tol = 1e-10 if dt == torch.float64 else 10 * noise
+    print(f"max diff {worst:.3g} (bound {tol:.3g})")
     if worst > tol:
         sys.exit(f"EP differs from one process by {worst:.3g} > {tol:g}")
 
 
-def case_sft(ctx_unused, out: Path, kind: str):
-    """Three SFT steps of a global batch split over the ranks; rank 0 saves the weights."""
+def case_sft(ctx_unused, out: Path, kind: str, dtype: str = "float32"):
+    """Three SFT steps of a global batch split over the ranks, in ``dtype``; rank 0 saves the weights."""
     from arbor.train.optim import OptimConfig
     from arbor.train.sft import SFTConfig, sft
     from arbor.train.tree_batch import TreeConfig
     moe = kind == "moe"
     ctx = init_distributed(DistConfig(timeout_s=20), 4 if moe else 0)
     torch.manual_seed(0)
-    model = CausalLM(tiny_config(moe))
+    model = CausalLM(tiny_config(moe)).to(getattr(torch, dtype))
     shard_experts(model, ctx)
     examples = [(s, [0] + [1] * (len(s) - 1)) for s in sequences(5, 40)]
     cfg = SFTConfig(steps=3, batch_tokens=200, log_every=1, checkpoint_every=0, tree=TreeConfig(enabled=False, token_cap=48),

@@ -18,10 +18,10 @@ from arbor.models.expert_parallel import ep_phase, idle_forward, shard_experts
 from tests.dist_cases import sequences, tiny_config
 
 
-def setup(phase_groups: bool, queue: bool):
+def setup(phase_groups: bool, queue: bool, dtype=torch.float32):
     ctx = init_distributed(DistConfig(timeout_s=float(os.environ.get("CASE_TIMEOUT", "20")), phase_groups=phase_groups), 4)
     torch.manual_seed(0)
-    ref = CausalLM(tiny_config(True)).eval()
+    ref = CausalLM(tiny_config(True)).to(dtype).eval()
     model = copy.deepcopy(ref)
     shard_experts(model, ctx)
     if queue:
@@ -92,8 +92,9 @@ def case_private_no_turnstile():
 @torch.inference_mode()
 def case_turnstile(rounds: str = "20"):
     """P segments and D steps on two threads per rank with random skew; the turnstile orders them:
-    no error, no hang, and every output equals the one-process model's (greedy tokens too)."""
-    ctx, model, ref = setup(phase_groups=True, queue=True)
+    no error, no hang, and every output equals the one-process model's (greedy tokens too), both in
+    float64 so that only the order of the expert sums differs."""
+    ctx, model, ref = setup(phase_groups=True, queue=True, dtype=torch.float64)
     rng = random.Random(100 + ctx.rank)
     requests, done = [], []
     decode_ready = threading.Event()
@@ -147,7 +148,7 @@ def case_turnstile(rounds: str = "20"):
     print(f"rounds {rounds}: {turnstile.boundaries} boundaries, {turnstile.decode_steps} decode steps, "
           f"{sum(k == 'decode' for k, _, _ in done)} real decodes here, max diff {worst:.3g}, "
           f"tokens equal {tokens_equal}", flush=True)
-    if worst > 1e-5 or not tokens_equal:
+    if worst > 1e-10 or not tokens_equal:      # float64, hidden states O(1): measured 6.7e-16
         fail("outputs differ from the one-process model", 1)
 
 

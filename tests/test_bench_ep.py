@@ -1,6 +1,9 @@
 """``arbor bench ep`` end to end on a tiny MoE: 2 EP ranks and the 1-rank baseline as child processes."""
 
 import json
+from statistics import median
+
+import pytest
 
 from arbor.cli import main
 
@@ -23,8 +26,16 @@ def test_bench_ep_smoke(tmp_path, capsys):
     assert r["train"]["ep"]["a2a_calls_per_step"] == 5        # forward: counts + rows out + rows back; backward: 2
     # the same computation on both: experts split in halves, same first loss
     assert r["expert_share_per_rank"] == [0.5, 0.5]
-    assert r["checks"]["first_step_loss_abs_diff"] < 1e-4
-    assert 0.0 <= r["checks"]["decode_same_tokens_fraction"] <= 1.0
+    # float32 mean of 124 cross-entropies ≈ 5.6, summed in another order over 2 ranks: pairwise summation is off by
+    # ≤ log2(124)·2^-24·5.6 ≈ 2.3e-6 on each side; 3e-5 ≈ 10× that (measured 2.4e-7, AVX-512, AVX2 and kernels off)
+    assert r["checks"]["first_step_loss_abs_diff"] < 3e-5
+    assert r["checks"]["decode_same_tokens_fraction"] == 1.0   # greedy: both generated the same tokens
+    for k in ("single", "ep"):   # throughputs and their ratios from the times the JSON reports (float64 rounding)
+        t = r["train"][k]
+        assert t["median_step_s"] == median(t["step_s"])
+        assert t["tokens_per_s"] == pytest.approx(t["tokens"] / t["median_step_s"], rel=1e-12)
+    assert r["ratios"]["train_tokens_per_s"] == pytest.approx(
+        r["train"]["ep"]["tokens_per_s"] / r["train"]["single"]["tokens_per_s"], rel=1e-12) == r["targets"][0]["value"]
     names = [t["name"] for t in r["targets"]]
     assert len(names) == 2 and names[0].startswith("train tokens/s")
     for t in r["targets"]:

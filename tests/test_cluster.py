@@ -110,7 +110,9 @@ def test_two_replicas_two_ranks_give_the_single_process_metrics_and_one_hf_folde
     assert apart["groups"] == 2 and {e["group"] for e in apart["engines"]} == {1}     # disaggregated: their own
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["samples"] == 8 for r in logged)          # 2 ranks × 2 groups × 2 samples
-    assert all(r["mismatch_abs"] < 1e-5 for r in logged)   # float32 replicas sample what the trainer computes
+    # float32 replicas sample what the trainer computes: a mean ≤ 2 × the float32 log-prob noise (max ≈ 5e-7
+    # here, tests/float64_ref.py), so 1e-5 is 10×; measured 7.4e-8 to 8.7e-8
+    assert all(r["mismatch_abs"] < 1e-5 for r in logged)
     one = train_here(plain_rl_config(load_train_config(None, rl_words(model_dir, tmp_path / "one", 1))))
     assert set(one[0]) == set(logged[-1])                  # the same metrics as the single-process loop
     models = [p.relative_to(out) for p in out.rglob("model.safetensors") if "checkpoint" not in p.parts]
@@ -168,7 +170,7 @@ def test_a_replica_takes_many_requests_per_call_and_a_closed_stream_aborts_there
 def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_doubled(ray_run, replicas):
     from arbor.rollout.collector import Collector, RolloutConfig
     from arbor.tasks.longtail import LongTailEnvironment, LongTailProblem
-    from arbor.train.logprobs import packed_logprobs
+    from tests.float64_ref import engine_gap
     tok, model = builtin_tokenizer(), load_model(ray_run[2] / "final" / "model").eval()   # what the replicas serve
     engine = RemoteEngine(replicas)
     collector = Collector(engine, tok, RolloutConfig(max_turn_tokens=64, max_context=160, branch=[4]),
@@ -197,10 +199,8 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_d
     assert sorted(t.group for t in trajs) == sorted(list(range(4)) * 4)          # every group, 4 leaves each
     assert len({tuple(t.tokens) for t in trajs}) == 16                          # none twice
     assert all(t.num_model_tokens == 64 and len(t.logp_infer) == len(t.tokens) for t in trajs)
-    logp, cu = packed_logprobs(model, [t.tokens for t in trajs])              # stitched streams are exact
-    for j, t in enumerate(trajs):
-        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        assert torch.allclose(logp[cu[j]:cu[j + 1]][mask], torch.tensor(t.logp_infer)[mask], atol=1e-4)
+    gap, bound = engine_gap(model, trajs)     # stitched streams are exact: vs float64, 10× float32 noise (1×)
+    assert gap <= bound, (gap, bound)
     deadline = time.monotonic() + 60
     while ray.get(replicas.stats.remote())["epochs"][0] == epoch and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -19,7 +19,7 @@ def test_aup_worked_example_by_hand():
     # AUP = 1·80 + ½·(2-1)·(78·W(78) + 80·W(80)) + ½·(4-2)·(76·W(76) + 78·W(78))
     #     = 80 + ½·(67.38129 + 74.35537) + (61.02119 + 67.38129) = 279.27081
     points = [(4.0, 76.0), (1.0, 80.0), (3.0, 70.0), (2.0, 78.0)]
-    assert aup(points, y_max=82.0) == pytest.approx(279.27081, abs=1e-4)
+    assert aup(points, y_max=82.0) == pytest.approx(279.27081, abs=1e-4)   # the sum above, rounded to 5 decimals
 
 
 def test_aup_single_point_at_one_is_the_accuracy_and_weights_cap_at_one():

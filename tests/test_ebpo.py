@@ -4,7 +4,7 @@ differences in float64."""
 
 import torch
 
-from arbor.models import CausalLM, ModelConfig
+from arbor.models import BlockDiffusionAttention, CausalLM, ModelConfig
 from arbor.train.ebpo import draw_noise, ebpo_loss, elbo_blocks, elbo_blocks_loop, mean_field_logprobs
 from arbor.train.losses import LossConfig
 
@@ -32,27 +32,77 @@ def batch(seed=0):
     return prompts, responses, noise
 
 
+def log_p_by_hand(model, ids):
+    """float64 log p over the vocabulary without the mask token, every position of one block-causal forward."""
+    hidden = model(torch.tensor(ids), BlockDiffusionAttention.from_lengths([len(ids)], model.config.block_size)).hidden
+    logits = model.logits(hidden).double()
+    logits[:, MASK] = float("-inf")
+    return logits.log_softmax(-1)
+
+
+def elbo_by_hand(model, prompts, responses, noise):
+    """ELBO_b of ``arbor.train.ebpo``'s docstring written out: per level t_n (weight 1 / (N t_n)) and response
+    block b, the clean tokens before b then block b with its masked response tokens set to [MASK]; the
+    log p of the masked tokens of b, summed. → per sample, the values of its response blocks in order."""
+    B, N, out = model.config.block_size, len(noise.levels), []
+    for s, (x, y) in enumerate(zip(prompts, responses)):
+        seq, P = list(x) + list(y), len(x)
+        blocks = range(P // B, (len(seq) - 1) // B + 1)
+        elbo = dict.fromkeys(blocks, 0.0)
+        for n, t in enumerate(noise.levels):
+            masked = {P + i for i in range(len(y)) if noise.response_masks[n][s][i]}
+            for b in blocks:
+                end = min((b + 1) * B, len(seq))
+                ids = [MASK if p in masked and p >= b * B else seq[p] for p in range(end)]
+                logp = log_p_by_hand(model, ids)
+                elbo[b] += sum(float(logp[p, seq[p]]) for p in masked if b * B <= p < end) / (N * t)
+        out.append([elbo[b] for b in blocks])
+    return out
+
+
+def mean_field_by_hand(model, prompts, responses, noise):
+    """d1's estimate written out: the prompt with its drawn tokens masked, the response all [MASK], one
+    forward; log p(y_i) at each response position. → per sample, per response token."""
+    out = []
+    for s, (x, y) in enumerate(zip(prompts, responses)):
+        ids = [MASK if noise.prompt_masks[s][i] else t for i, t in enumerate(x)] + [MASK] * len(y)
+        logp = log_p_by_hand(model, ids)
+        out.append([float(logp[len(x) + i, t]) for i, t in enumerate(y)])
+    return out
+
+
 def test_log_ratio_is_exactly_zero_at_theta_old():
-    model = tiny_model()
-    prompts, responses, noise = batch()
-    for est in (elbo_blocks, mean_field_logprobs):
-        with torch.no_grad():
-            old, _ = est(model, prompts, responses, noise)
-        new, valid = est(model, prompts, responses, noise)
-        assert torch.equal((new - old)[valid], torch.zeros_like(new[valid]))
-        loss, stats = ebpo_loss(new, old, valid, torch.tensor([1.0, -1.0, 0.5, 0.0]), LossConfig())
-        assert stats["approx_kl"] == 0.0 and stats["clip_low"] == 0.0 and stats["clip_high"] == 0.0
+    """float32 and float64: the same noise gives θ and θ_old bit-equal values; in float64 the values are the
+    docstring's formulas computed by hand (≤ 1e-10: float64 sums of ~100 terms of size ≤ 10 round at ~1e-13)."""
+    for dtype in (torch.float32, torch.float64):
+        model = tiny_model(dtype=dtype)
+        prompts, responses, noise = batch()
+        for est, by_hand in ((elbo_blocks, elbo_by_hand), (mean_field_logprobs, mean_field_by_hand)):
+            with torch.no_grad():
+                old, _ = est(model, prompts, responses, noise)
+            new, valid = est(model, prompts, responses, noise)
+            assert torch.equal((new - old)[valid], torch.zeros_like(new[valid]))
+            loss, stats = ebpo_loss(new, old, valid, torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=dtype), LossConfig())
+            assert stats["approx_kl"] == 0.0 and stats["clip_low"] == 0.0 and stats["clip_high"] == 0.0
+            if dtype == torch.float64:
+                with torch.no_grad():
+                    want = by_hand(model, prompts, responses, noise)
+                assert valid.sum(1).tolist() == [len(w) for w in want]
+                got = [old[i][valid[i]].tolist() for i in range(len(want))]
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(torch.tensor(g, dtype=torch.float64), torch.tensor(w, dtype=torch.float64),
+                                               rtol=0, atol=1e-10)
 
 
 def test_vectorised_elbo_equals_block_by_block_loop():
-    model = tiny_model()
+    model = tiny_model(dtype=torch.float64)
     prompts, responses, noise = batch(1)
     with torch.no_grad():
         fast, valid = elbo_blocks(model, prompts, responses, noise)
         slow, valid_loop = elbo_blocks_loop(model, prompts, responses, noise)
     assert torch.equal(valid, valid_loop)
     assert valid.sum(1).tolist() == [3, 2, 2, 2]
-    torch.testing.assert_close(fast[valid].double(), slow[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[valid], slow[valid], atol=1e-10, rtol=0)   # float64: two sum orders, ~1e-15 apart
     assert bool((fast[valid] < 0).all())        # every block has a masked token at t = 1
 
 
@@ -63,7 +113,7 @@ def test_gradient_matches_finite_differences_float64():
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64)
     with torch.no_grad():
         old, _ = elbo_blocks(model, prompts, responses, noise)
-    w = model.lm_head.weight          # downstream of the model's float32 RMSNorm: float64 all the way
+    w = model.lm_head.weight          # a float64 model: float64 all the way
 
     def loss_value():
         new, valid = elbo_blocks(model, prompts, responses, noise)
@@ -80,6 +130,7 @@ def test_gradient_matches_finite_differences_float64():
             w[idx] -= 2 * h
             down = float(loss_value())
             w[idx] += h
+        # central difference in float64: truncation ~h²·|f'''| ≲ 1e-9, rounding ~1e-16·|f|/h ≲ 1e-10
         assert abs((up - down) / (2 * h) - float(grad[idx])) < 1e-7 + 1e-6 * abs(float(grad[idx]))
     assert float(grad.abs().max()) > 1e-3
 

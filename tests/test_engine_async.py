@@ -2,6 +2,7 @@
 without memory pressure; closing a stream aborts its request; pause/resume."""
 
 import asyncio
+import copy
 import random
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 from arbor.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams
 from arbor.models import CausalLM, ModelConfig
+from arbor.models.sampling import SamplingSpec
+from tests.float64_ref import assert_within_engine_noise, exact_logprobs
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,8 +57,13 @@ def test_stress_200_concurrent_requests_under_preemption():
     assert engine.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.finish_reason == "length" for o in outs)
-    for o, r in zip(outs, ref):
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+    # log-probs: the float32 engine has no float64 path; both runs against a float64 reference, within 10× the
+    # unpressured run's own error (measured 2.9e-6 to 3.3e-6 under AVX-512/AVX2/kernels off; the stressed
+    # run 2.7e-6 to 3.3e-6 off: other batches round otherwise)
+    model64 = copy.deepcopy(model).double()
+    exact = [exact_logprobs(model64, r.prompt_token_ids, r.token_ids, SamplingSpec(sp.temperature, top_p=sp.top_p))
+             for r, (_, sp) in zip(ref, reqs)]
+    assert_within_engine_noise([o.logprobs for o in outs], [r.logprobs for r in ref], exact)
     assert not engine.engine.has_unfinished() and engine.engine.block_manager.num_free_blocks == 40
 
 

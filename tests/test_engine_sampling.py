@@ -1,6 +1,8 @@
 """Sampler and request features: log-probs, seeds, filters, n, stop ids/strings, routed experts,
 weight updates."""
 
+import copy
+
 import pytest
 import torch
 
@@ -35,6 +37,25 @@ def full_logprobs(model, ids, spec=SamplingSpec()):
         return spec.logprobs(model.logits(hidden))
 
 
+def assert_engine_logprobs(model, pairs, spec=SamplingSpec()):
+    """pairs: (engine log-probs, ids, [(row, token)] they are of) → each equals the log-prob under a float64
+    copy of ``model`` (the engine's float32 kernels have no float64 path) within 10× the float32 rounding of
+    the same rows of log-probs by ``model`` itself (its largest error over their finite entries). Measured,
+    default / AVX2 / kernels off: noise 2.5e-6 to 6.5e-6 (peaked logits), the engine 1.2e-6 to 5.2e-6 off."""
+    exact_model = copy.deepcopy(model).double()
+    got, want, noise = [], [], 0.0
+    for values, ids, at in pairs:
+        rows, toks = torch.tensor(at).T
+        exact = full_logprobs(exact_model, ids, spec)[rows]
+        own = full_logprobs(model, ids, spec)[rows].double()     # (a near-tie at the top-k / top-p edge may
+        err = (own - exact)[exact.isfinite() & own.isfinite()]    # keep a token in one and not the other)
+        noise = max(noise, float(err.abs().max()))
+        got.append(torch.tensor(values, dtype=torch.float64))
+        want.append(exact[torch.arange(len(toks)), toks])
+    assert noise > 0
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=10 * noise, rtol=0)
+
+
 @pytest.mark.parametrize("knobs", [dict(temperature=0.8, top_k=20), dict(temperature=0.7, top_p=0.9),
                                    dict(temperature=1.3, min_p=0.05), dict(temperature=1.0)])
 def test_logprobs_are_those_of_the_distribution_sampled_from(model, knobs):
@@ -42,24 +63,26 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(model, knobs):
     engine = LLMEngine(model, EngineConfig(block_size=4))
     outs = engine.generate(PROMPTS, SamplingParams(**knobs, seed=1, max_tokens=10, ignore_eos=True, logprobs=3))
     spec = SamplingSpec(**knobs)
+    pairs = []
     for o in outs:
         ids = o.prompt_token_ids + o.token_ids
-        ref = full_logprobs(model, ids, spec)[len(o.prompt_token_ids) - 1:-1]
+        first = len(o.prompt_token_ids) - 1
+        ref = full_logprobs(model, ids, spec)[first:-1]
         assert torch.isfinite(torch.tensor(o.logprobs)).all()          # a sampled token is never a dropped one
-        got = torch.tensor(o.logprobs)
-        torch.testing.assert_close(got, ref.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0], atol=1e-4, rtol=0)
+        pairs.append((o.logprobs, ids, [(first + i, t) for i, t in enumerate(o.token_ids)]))
         vals, idx = ref[0].topk(3)
         keep = vals > float("-inf")
         assert list(o.top_logprobs[0]) == idx[keep].tolist()
-        torch.testing.assert_close(torch.tensor(list(o.top_logprobs[0].values())), vals[keep], atol=1e-4, rtol=0)
+        pairs.append((list(o.top_logprobs[0].values()), ids, [(first, t) for t in o.top_logprobs[0]]))
+    assert_engine_logprobs(model, pairs, spec)
 
 
 def test_greedy_logprobs_are_the_models_own_distribution(model):
     out = LLMEngine(model, EngineConfig()).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5,
                                                                                 ignore_eos=True))[0]
-    ref = full_logprobs(model, out.prompt_token_ids + out.token_ids)[len(out.prompt_token_ids) - 1:-1]
-    torch.testing.assert_close(torch.tensor(out.logprobs), ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0],
-                               atol=1e-4, rtol=0)
+    first = len(out.prompt_token_ids) - 1
+    assert_engine_logprobs(model, [(out.logprobs, out.prompt_token_ids + out.token_ids,
+                                    [(first + i, t) for i, t in enumerate(out.token_ids)])])
 
 
 def test_seeded_sampling_is_independent_of_the_batch(model):

@@ -1,4 +1,7 @@
-"""Known-value tests of the policy losses and advantages."""
+"""Known-value tests of the policy losses and advantages.
+
+Tolerances: a few float32 operations on values ≲ 10 against the same formula in Python floats, so the
+default ``pytest.approx`` (rel 1e-6) and ``torch.allclose`` (rtol 1e-5) leave ≥ 16 float32 roundings (2^-24)."""
 
 import math
 

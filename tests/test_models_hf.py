@@ -1,5 +1,7 @@
 """Arbor's models compute what transformers computes, loading each other's folders."""
 
+import copy
+
 import torch
 
 from arbor.models import ModelConfig, VarlenAttention, load_model, save_model
@@ -14,14 +16,21 @@ def arbor_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model.logits(out.hidden).reshape(b, l, -1)
 
 
+def assert_matches(hf_logits, model, ids):
+    """transformers' float32 logits (it has no float64 MoE path) against ours in float64, within 10× our
+    own float32 rounding of the same forward, measured here (logits ≲ 2.3: 0.9e-6 to 2.4e-5, the
+    hybrid the largest; transformers measured 0 to 1.1e-5 off)."""
+    exact = arbor_logits(copy.deepcopy(model).double(), ids)
+    noise = (arbor_logits(model, ids) - exact).abs().max()
+    assert noise > 0 and (hf_logits - exact).abs().max() <= 10 * noise
+
+
 def test_arbor_loads_transformers_folder(hf_folder):
     hf, folder = hf_folder
     model = load_model(folder)
     ids = torch.randint(0, 96, (3, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = hf(ids).logits
-        got = arbor_logits(model, ids)
-    assert (got - ref).abs().max() <= 1e-4
+        assert_matches(hf(ids).logits, model, ids)
 
 
 def test_transformers_loads_arbor_folder(tmp_path, kind):
@@ -37,7 +46,7 @@ def test_transformers_loads_arbor_folder(tmp_path, kind):
     hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m").float().eval()
     ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert (hf(ids).logits - arbor_logits(model, ids)).abs().max() <= 1e-4
+        assert_matches(hf(ids).logits, model, ids)
 
 
 def test_sharded_save_round_trips(tmp_path):

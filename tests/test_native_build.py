@@ -13,6 +13,7 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
 
 @pytest.mark.parametrize("var, value", [("ARBOR_CPU_KERNELS", "off"), ("ARBOR_CPU_ARCH", "x86 64;rm")])
 def test_bad_settings_are_refused_naming_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv("ARBOR_CPU_KERNELS", "1")             # the suite may run with the kernels off
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
         native.build(cpu_moe.SOURCE, cpu_moe.FLAGS)
@@ -25,6 +26,7 @@ def test_kernels_off_builds_nothing(monkeypatch):
 
 @needs_cc
 def test_an_arch_the_compiler_refuses_is_an_error_not_a_silent_fallback(monkeypatch, tmp_path):
+    monkeypatch.setenv("ARBOR_CPU_KERNELS", "1")
     monkeypatch.setenv("ARBOR_CACHE", str(tmp_path))
     monkeypatch.setenv("ARBOR_CPU_ARCH", "no-such-cpu")
     with pytest.raises(ValueError, match="ARBOR_CPU_ARCH='no-such-cpu'"):
@@ -33,6 +35,7 @@ def test_an_arch_the_compiler_refuses_is_an_error_not_a_silent_fallback(monkeypa
 
 @needs_cc
 def test_an_avx2_build_has_no_avx512_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("ARBOR_CPU_KERNELS", "1")
     monkeypatch.setenv("ARBOR_CACHE", str(tmp_path))
     monkeypatch.setenv("ARBOR_CPU_ARCH", "x86-64-v3")
     moe = native.build(cpu_moe.SOURCE, cpu_moe.FLAGS)

@@ -11,12 +11,12 @@ import torch
 from arbor.bench.rl_setup import make_trainer
 from arbor.engine import cpu_linear
 from arbor.rollout.collector import RolloutConfig
-from arbor.train.logprobs import packed_logprobs
 from arbor.train.optim import OptimConfig
 from arbor.tasks.registry import get_task
 from arbor.train.rl import C3POConfig, RLConfig, RLTrainer
 from arbor.train.run import make_engine
 
+from tests.float64_ref import engine_gap
 from tests.test_rl_loop import tiny  # noqa: F401  (the module-scoped tiny model fixture)
 
 
@@ -29,14 +29,16 @@ def config(**kw) -> RLConfig:
 
 
 def gap(trainer, trajs) -> float:
-    """Largest |engine log-prob − trainer log-prob at the trainer's current weights| over model tokens."""
-    with torch.no_grad():
-        logp, cu = packed_logprobs(trainer.model, [t.tokens for t in trajs])
-    worst = 0.0
-    for j, t in enumerate(trajs):
-        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        worst = max(worst, float((logp[cu[j]:cu[j + 1]][mask] - torch.tensor(t.logp_infer)[mask]).abs().max()))
-    return worst
+    """Largest |engine log-prob − trainer log-prob at the trainer's current weights (in float64)| over
+    model tokens."""
+    return engine_gap(trainer.model, trajs)[0]
+
+
+def assert_engine_matches(trainer, trajs) -> None:
+    """The engine's log-probs are the trainer's at its current weights: within 10× the trainer's own
+    float32 noise of the float64 value (tests/float64_ref.py; noise ≈ 5e-7 here)."""
+    g, bound = engine_gap(trainer.model, trajs)
+    assert g <= bound, f"engine log-probs off by {g:.3g} > {bound:.3g}"
 
 
 def trajectories(trainer):
@@ -52,16 +54,16 @@ def test_own_copy_is_refreshed_after_every_step(tiny, one_thread, monkeypatch):
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(served.parameters(), trainer.model.parameters()))
     if cpu_linear.available(torch.float32):
         assert trainer.engine.engine.num_packed > 0
-    assert gap(trainer, trajectories(trainer)) < 1e-4
+    assert_engine_matches(trainer, trajectories(trainer))
     for _ in range(2):
         row = asyncio.run(trainer.train_step())
         assert row["optimizer_steps"] == 1
-        assert gap(trainer, trajectories(trainer)) < 1e-4     # the copy (and its packed GEMMs) moved too
+        assert_engine_matches(trainer, trajectories(trainer))     # the copy (and its packed GEMMs) moved too
     # the check has teeth: a sync that copies the parameters but leaves a packed copy stale is caught
     if trainer.engine.engine.num_packed:
         monkeypatch.setattr("arbor.engine.llm_engine.repack", lambda model: None)
         asyncio.run(trainer.train_step())
-        assert gap(trainer, trajectories(trainer)) > 1e-3
+        assert gap(trainer, trajectories(trainer)) > 1e-3      # a stale copy is a step behind: measured 0.83
 
 
 def test_own_copy_trains_like_the_shared_engine(tiny, one_thread):
@@ -94,4 +96,4 @@ def test_overlap_with_an_own_copy_trains_the_given_model(tiny, one_thread):
     rows = [asyncio.run(trainer.train_step()) for _ in range(3)]
     assert trainer.model is given and trainer.engine.engine.model is not given
     assert [r["staleness"] for r in rows] == [0, 1, 1]
-    assert gap(trainer, trajectories(trainer)) < 1e-4
+    assert_engine_matches(trainer, trajectories(trainer))

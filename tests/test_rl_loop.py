@@ -11,9 +11,9 @@ from arbor.bench.rl_setup import make_trainer
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.rollout.collector import RolloutConfig
-from arbor.train.logprobs import packed_logprobs
 from arbor.train.optim import OptimConfig
 from arbor.train.rl import C3POConfig, RLConfig
+from tests.float64_ref import engine_gap
 
 SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -43,12 +43,11 @@ def test_trained_tokens_are_what_the_engine_saw(tiny):
     assert not left and len(trees) == 4
     trajs = [t for tree in trees for t in tree.trajectories()]
     assert len(trajs) >= 8
-    # engine log-probs (float32, shared weights) equal the trainer's recompute on the same ids
-    logp, cu = packed_logprobs(trainer.model, [t.tokens for t in trajs])
-    for j, t in enumerate(trajs):
-        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        got = logp[cu[j]:cu[j + 1]][mask]
-        assert torch.allclose(got, torch.tensor(t.logp_infer)[mask], atol=1e-4)
+    # engine log-probs (float32, shared weights) equal the trainer's recompute on the same ids: against a
+    # float64 copy, within 10× the trainer's own float32 noise (tests/float64_ref.py; measured ≤ 1×)
+    gap, bound = engine_gap(trainer.model, trajs)
+    assert gap <= bound, (gap, bound)
+    for t in trajs:
         first = next(u for u in trajs if u.group == t.group)
         assert t.tokens[:t.prompt_len] == first.tokens[:t.prompt_len]   # one prompt per group
 
@@ -140,9 +139,31 @@ def test_c3po_carries_partial_rollouts_across_versions(tiny):
     trainer = make_trainer(cfg, model, tok)
     rows = [asyncio.run(trainer.train_step()) for _ in range(4)]
     assert any(r["carried_episodes"] > 0 for r in rows)
-    assert all(r.get("tokens", 60) >= 60 or r["finished_groups"] == 0 for r in rows)
-    assert max(r.get("staleness", 0) for r in rows) >= 1          # some trained token came from an older policy
-    assert max(r.get("staleness", 0) for r in rows) <= cfg.c3po.max_age + 1
+    for r in rows:   # each step trains on every model token of the groups it finished: at least the budget Φ
+        assert r["finished_groups"] >= 1 and r["samples"] == 4 * r["finished_groups"]      # branch [4]
+        assert r["tokens"] == r["finished_tokens"] >= cfg.c3po.token_budget
+    staleness = [r["staleness"] for r in rows]
+    assert max(staleness) >= 1                                    # some trained token came from an older policy
+    assert all(s <= min(step, cfg.c3po.max_age) for step, s in enumerate(staleness))   # ≤ steps so far, ≤ σ
+
+
+def test_c3po_drops_groups_older_than_max_age(tiny):
+    """C3PO++'s σ: at iteration 5 with max_age 2, the groups started at iterations 3 (age 2, the bound)
+    and 4 run on; the one started at 2 (age 3) is dropped before any of its episodes runs again."""
+    model, tok = tiny
+    cfg = config(c3po=C3POConfig(enabled=True, token_budget=1, capacity=2, max_age=2),
+                 rollout=RolloutConfig(max_turn_tokens=6, max_context=300, branch=[2], end_on_truncation=False))
+    trainer = make_trainer(cfg, model, tok)
+    col = trainer.collector
+
+    async def go():
+        trainer.pool = [e for group, born in ((0, 2), (1, 3), (2, 4))
+                        for e in await col.start(ThreeTurns(), group, None, born)]
+        return await trainer.collect(iteration=5)
+
+    trees, left, stats = asyncio.run(go())
+    assert stats["dropped_groups"] == 1 and stats["finished_groups"] == len(trees) >= 1
+    assert {t.group for t in trees} | {e.tree.group for e in left} == {1, 2}    # no refill: capacity 2 is full
 
 
 def test_rl_raises_reward(tiny):
@@ -221,7 +242,8 @@ def test_moe_trajectories_carry_and_replay_the_engine_routing(tmp_path):
             t.routed_experts = torch.where(t.routed_experts >= 0, (t.routed_experts + 1) % 4, -1)
         assert not torch.allclose(trainer.logprobs(shuffled)[0], replayed)   # the replay is used
     row = asyncio.run(trainer.train_step())
-    assert row["masked_frac"] == 0.0 and row["mismatch_abs"] < 1e-4
+    # a float32 mean ≤ 2 × the log-prob noise (max ≈ 5e-7, tests/float64_ref.py): 1e-5 is 10×; measured 9.2e-8
+    assert row["masked_frac"] == 0.0 and row["mismatch_abs"] < 1e-5
 
 
 def test_moe_aux_coef_adds_the_load_balancing_loss(tmp_path):
@@ -247,5 +269,6 @@ def test_moe_aux_coef_adds_the_load_balancing_loss(tmp_path):
         assert ("moe_aux" in stats) == bool(coef)
         gates[coef] = moe.model.layers[0].mlp.gate.weight.detach().clone()
     # the stat is the sample-weighted mean of the micro-batches' losses
-    assert stats["moe_aux"] == pytest.approx(sum(float(a) * n for a, n in want) / len(trajs), rel=1e-4)
+    # the same float32 forward: measured equal; rel 1e-6 ≈ 16 float32 roundings (2^-24) of a value ≈ 1
+    assert stats["moe_aux"] == pytest.approx(sum(float(a) * n for a, n in want) / len(trajs), rel=1e-6)
     assert not torch.allclose(gates[0.0], gates[1.0])

@@ -13,6 +13,7 @@ from arbor.bench.rl_setup import make_trainer
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.losses import LossConfig
 from arbor.train.optim import OptimConfig
+from tests.float64_ref import engine_gap
 from tests.test_rl_loop import config
 
 
@@ -64,15 +65,17 @@ def test_engine_logprobs_equal_the_trainers_at_the_sampling_temperature(tiny, on
     trees, _, _ = asyncio.run(trainer.collect())
     trajs = [t for tree_ in trees for t in tree_.trajectories()]
     old, _, _ = trainer.recompute_old(trajs)
+    gap, bound = engine_gap(trainer.model, trajs, lambda m: trainer.logprobs(trajs, model=m)[0])
+    assert gap <= bound, (gap, bound)      # engine vs trainer in float64: 10× float32 noise (tests/float64_ref.py)
     checked = 0
-    for t, lp in zip(trajs, old):
+    for t, lp in zip(trajs, old):         # recompute_old is that same float32 log-prob
         mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        torch.testing.assert_close(lp[mask], torch.tensor(t.logp_infer)[mask], atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp[mask], torch.tensor(t.logp_infer)[mask], atol=1.1 * bound, rtol=0)  # gap + noise
         checked += int(mask.sum())
     assert checked > 50
     plain = make_trainer(config(task="arithmetic", tree=TreeConfig(enabled=tree)), model, tok)
     off = plain.logprobs(trajs[:1])[0]         # at T = 1 the same tokens have other log-probs
-    assert not torch.allclose(off[torch.tensor(trajs[0].loss_mask, dtype=torch.bool)],
+    assert not torch.allclose(off[torch.tensor(trajs[0].loss_mask, dtype=torch.bool)],   # ≫ float32 noise (5e-7)
                               old[0][torch.tensor(trajs[0].loss_mask, dtype=torch.bool)], atol=1e-3)
 
 
@@ -109,5 +112,6 @@ def test_sft_takes_tree_and_recompute_keys():
 def test_recompute_gives_the_same_step(tiny, one_thread):
     model, tok = tiny
     rows = [asyncio.run(make_trainer(config(recompute=on), model, tok).train_step()) for on in (False, True)]
-    assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-5)
+    # float32 (the engine has no float64 path): measured equal; the norm's float32 rounding is 6e-8 relative (vs float64)
+    assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-6)
     assert rows[1]["reward"] == rows[0]["reward"]

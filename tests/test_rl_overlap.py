@@ -15,10 +15,10 @@ import torch
 
 from arbor.bench.rl_setup import make_trainer
 from arbor.rollout.collector import RolloutConfig
-from arbor.train.logprobs import packed_logprobs
 from arbor.train.optim import OptimConfig
 from arbor.train.rl import C3POConfig, RLConfig, RLRolloutConfig
 
+from tests.float64_ref import engine_gap
 from tests.test_rl_loop import tiny  # noqa: F401  (the module-scoped tiny model fixture)
 
 
@@ -57,16 +57,14 @@ def test_overlapped_batches_come_from_the_previous_policy(tiny, one_thread):
         behaviour = seen.steps[max(0, step - 1)][1]             # the weights the engine sampled with
         for name, w in (("behaviour", behaviour), ("trained", weights)):
             probe.load_state_dict(w)
-            logp, cu = packed_logprobs(probe, [t.tokens for t in trajs])
-            mask = torch.tensor([m for t in trajs for m in t.loss_mask], dtype=torch.bool)
-            gap = (logp[mask] - torch.tensor([x for t in trajs for x in t.logp_infer])[mask]).abs().max()
+            gap, bound = engine_gap(probe, trajs)               # vs float64; bound: 10× float32 noise (≈ 5e-7)
             if name == "behaviour" or step == 0:
-                assert gap < 1e-4, (step, name, float(gap))     # the engine's log-probs are μ = π_θt-1 exactly
+                assert gap <= bound, (step, name, gap, bound)   # the engine's log-probs are μ = π_θt-1 exactly
             else:
-                assert gap > 1e-3, (step, float(gap))           # … and not the trained θ_t's
+                assert gap > 1e-3, (step, gap)                  # … and not the trained θ_t's (measured ≥ 0.62)
     # the correction sees the lag: k = π_θt / μ is 1 (to float32 rounding) only at the first step
-    assert rows[0]["mismatch_abs"] < 1e-5
-    assert all(r["mismatch_abs"] > 1e-3 for r in rows[1:]), [r["mismatch_abs"] for r in rows]
+    assert rows[0]["mismatch_abs"] < 1e-5       # mean ≤ 2 × float32 noise (max 5e-7 here): 10×; measured 7.6e-8
+    assert all(r["mismatch_abs"] > 1e-3 for r in rows[1:]), [r["mismatch_abs"] for r in rows]   # the lag: ≥ 0.19
 
 
 def test_overlapped_rl_raises_reward(tiny, one_thread):

@@ -55,8 +55,8 @@ def test_make_pairs_from_a_recorded_trajectory():
 
 
 def test_tad_loss_equals_ce_plus_kl_by_hand():
-    s = torch.tensor([[1.0, 2.0, 0.0], [0.5, -1.0, 2.0], [0.0, 0.0, 3.0]])
-    t = torch.tensor([[9.0, 9.0, 9.0], [2.0, 0.0, 1.0], [1.0, 1.0, -1.0]])
+    s = torch.tensor([[1.0, 2.0, 0.0], [0.5, -1.0, 2.0], [0.0, 0.0, 3.0]], dtype=torch.float64)   # float64, like
+    t = torch.tensor([[9.0, 9.0, 9.0], [2.0, 0.0, 1.0], [1.0, 1.0, -1.0]], dtype=torch.float64)   # the math below
     targets = torch.tensor([1, 0, 2])
     near = torch.tensor([True, False, False])
     distant = torch.tensor([False, True, True])
@@ -71,17 +71,17 @@ def test_tad_loss_equals_ce_plus_kl_by_hand():
         ps, pt = softmax(sr), softmax(tr)
         kls.append(sum(a * math.log(a / b) for a, b in zip(pt, ps)))
     out = tad_loss(s, t, targets, near, distant)
-    assert float(out["ce_near"]) == pytest.approx(ce, rel=1e-6)
-    assert float(out["kl_distant"]) == pytest.approx(sum(kls) / 2, rel=1e-6)
-    assert float(out["loss"]) == pytest.approx(ce + sum(kls) / 2, rel=1e-6)
+    assert float(out["ce_near"]) == pytest.approx(ce, rel=1e-12)             # float64 both: measured ≤ 2.7e-16
+    assert float(out["kl_distant"]) == pytest.approx(sum(kls) / 2, rel=1e-12)
+    assert float(out["loss"]) == pytest.approx(ce + sum(kls) / 2, rel=1e-12)
     empty = torch.zeros(3, dtype=torch.bool)
     assert float(tad_loss(s, t, targets, empty, empty)["loss"]) == 0.0
     # the optional visible term: + w · mean CE of the visible rows against their own tokens
     visible = torch.tensor([False, True, True])
     ce_vis = -(math.log(softmax([0.5, -1.0, 2.0])[0]) + math.log(softmax([0.0, 0.0, 3.0])[2])) / 2
     out = tad_loss(s, t, targets, near, distant, visible, visible_weight=0.5)
-    assert float(out["ce_visible"]) == pytest.approx(ce_vis, rel=1e-6)
-    assert float(out["loss"]) == pytest.approx(ce + sum(kls) / 2 + 0.5 * ce_vis, rel=1e-6)
+    assert float(out["ce_visible"]) == pytest.approx(ce_vis, rel=1e-12)      # float64 both
+    assert float(out["loss"]) == pytest.approx(ce + sum(kls) / 2 + 0.5 * ce_vis, rel=1e-12)
     assert "ce_visible" not in tad_loss(s, t, targets, near, distant, visible, visible_weight=0.0)
 
 

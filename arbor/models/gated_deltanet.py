@@ -160,7 +160,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """y = weight · x / sqrt(mean(x²) + eps) · silu(z), normalised in float32 (HF Qwen3NextRMSNormGated)."""
+    """y = weight · x / sqrt(mean(x²) + eps) · silu(z), normalised in float32 (float64 for float64; HF Qwen3NextRMSNormGated)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -168,9 +168,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        h = x.to(_rule_dtype(x))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+        return (self.weight * h.to(x.dtype) * F.silu(z.to(h.dtype))).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

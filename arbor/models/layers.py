@@ -1,6 +1,6 @@
 """Shared building blocks: RMSNorm, rotary position embedding, SwiGLU MLP.
 
-- RMSNorm: ``y = x / sqrt(mean(x²) + eps) · w`` computed in float32. Qwen3 casts the normalised
+- RMSNorm: ``y = x / sqrt(mean(x²) + eps) · w`` computed in float32 (float64 for float64 x). Qwen3 casts the normalised
   value back to the input dtype before the product; Qwen3-Next (``zero_centred``) stores ``w`` as
   an offset and computes ``(x̂ · (1 + w))`` in float32 before the cast.
 - RoPE (rotate-half form) on the first ``rotary_dim`` channels of each head:
@@ -24,9 +24,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
         return F.rms_norm(x, weight.shape, weight, eps)
     if not zero_centred and weight.dim() == 1 and weight.dtype == x.dtype and cpu_ops.use(x):   # the engine, bf16 CPU
         return cpu_ops.rms_norm(x, weight, eps)
-    xf = F.rms_norm(x.float(), x.shape[-1:], None, eps)
+    xf = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), x.shape[-1:], None, eps)
     if zero_centred:
-        return (xf * (1.0 + weight.float())).type_as(x)
+        return (xf * (1.0 + weight.to(xf.dtype))).type_as(x)
     return weight * xf.to(x.dtype)
 
 
@@ -47,17 +47,18 @@ class Rotary:
     def __init__(self, rotary_dim: int, base: float):
         self.rotary_dim = rotary_dim
         self.base = base
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def inv_freq(self, device) -> torch.Tensor:
-        if device not in self._inv_freq:
+    def inv_freq(self, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if (device, dtype) not in self._inv_freq:
             exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device)
-            self._inv_freq[device] = 1.0 / (self.base ** (exponent.float() / self.rotary_dim))
-        return self._inv_freq[device]
+            self._inv_freq[device, dtype] = 1.0 / (self.base ** (exponent.to(dtype) / self.rotary_dim))
+        return self._inv_freq[device, dtype]
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] → (cos, sin), each [T, rotary_dim]."""
-        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        """positions [T] → (cos, sin), each [T, rotary_dim]; computed in float32 (float64 for float64)."""
+        ct = torch.promote_types(dtype, torch.float32)
+        freqs = positions.to(ct)[:, None] * self.inv_freq(positions.device, ct)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

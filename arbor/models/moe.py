@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arbor.models.layers import MLP
+from arbor.models.rows import take_rows
 
 
 class Experts(nn.Module):
@@ -63,7 +64,7 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     order = flat.argsort(stable=True)
     token = order // k
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    rows = experts.grouped(list(x[token].split(counts)))
+    rows = experts.grouped(list(take_rows(x, token).split(counts)))
     if rows is None:
         return torch.zeros_like(x)
     y = rows * weights.reshape(-1)[order, None].to(x.dtype)
@@ -87,7 +88,7 @@ class MoE(nn.Module):
         """→ (ids [T, k] int64, weights [T, k] in x's dtype, router probabilities [T, E] float32).
         Replayed ``ids`` force the experts; a row holding −1 (a token the engine never routed)
         takes its own top-k."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.promote_types(x.dtype, torch.float32))
         if ids is None:
             weights, ids = probs.topk(self.top_k, dim=-1)
         else:

@@ -20,9 +20,9 @@ import torch
 
 def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (any float dtype) and per-row knobs [N] → log-probs [N, V] float32 (see module
-    docstring; a temperature ≤ 0 counts as 1 with no truncation, top_k ≤ 0 as off)."""
-    z = logits.float()
+    """logits [N, V] (any float dtype) and per-row knobs [N] → log-probs [N, V] float32, float64 for
+    float64 logits (see module docstring; a temperature ≤ 0 counts as 1 with no truncation, top_k ≤ 0 as off)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(z)
     z = z / t[:, None]
@@ -57,10 +57,11 @@ class SamplingSpec:
         return self.temperature in (0, 1) and self.top_k <= 0 and self.top_p >= 1 and self.min_p <= 0
 
     def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [N, V] → log π_T [N, V] float32."""
+        """logits [N, V] → log π_T [N, V] float32 (float64 for float64 logits; the knobs are kept in
+        float64, and rounded to the logits' dtype where they are used)."""
         if self.is_plain:
-            return torch.log_softmax(logits.float(), -1)
+            return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
         n, dev = logits.shape[0], logits.device
         full = lambda v, dt: torch.full((n,), v, dtype=dt, device=dev)
-        return processed_logprobs(logits, full(self.temperature, torch.float32), full(self.top_k, torch.int64),
-                                  full(self.top_p, torch.float32), full(self.min_p, torch.float32))
+        return processed_logprobs(logits, full(self.temperature, torch.float64), full(self.top_k, torch.int64),
+                                  full(self.top_p, torch.float64), full(self.min_p, torch.float64))

@@ -99,13 +99,14 @@ def partition(state_k: torch.Tensor, state_kd: torch.Tensor, mask_id: int, regio
 def tad_loss(student_logits, teacher_logits, targets, near, distant, visible=None, visible_weight: float = 0.0) -> dict:
     """CE_near + KL_distant [+ w·CE_visible]: mean CE(student, target) over near rows + mean
     KL(teacher ‖ student) over distant rows [+ w · mean CE(student, target) over visible rows]
-    (rows = positions; logits [N, V])."""
-    logp_s = F.log_softmax(student_logits.float(), -1)
+    (rows = positions; logits [N, V]; computed in float32, float64 for float64 logits)."""
+    wide = lambda x: x.to(torch.promote_types(x.dtype, torch.float32))
+    logp_s = F.log_softmax(wide(student_logits), -1)
     zero = logp_s.sum() * 0
     ce_of = lambda rows: -logp_s[rows].gather(-1, targets[rows, None]).mean() if bool(rows.any()) else zero
     ce = ce_of(near)
     if bool(distant.any()):
-        logp_t = F.log_softmax(teacher_logits.float(), -1)[distant]
+        logp_t = F.log_softmax(wide(teacher_logits), -1)[distant]
         kl = (logp_t.exp() * (logp_t - logp_s[distant])).sum(-1).mean()
     else:
         kl = zero

@@ -100,7 +100,8 @@ def clip_global(model, max_norm: float, ctx) -> float:
     for name, p in model.named_parameters():
         if p.grad is not None:
             (own if ctx.ep_size > 1 and is_expert_param(name) else shared).append(p.grad)
-    sq = lambda gs: torch.stack([g.detach().float().norm() for g in gs]).square().sum() if gs else torch.zeros(())
+    wide = lambda g: g.detach().to(torch.promote_types(g.dtype, torch.float32))    # float64 grads stay float64
+    sq = lambda gs: torch.stack([wide(g).norm() for g in gs]).square().sum() if gs else torch.zeros(())
     own_sq = ctx.all_reduce(sq(own).double().reshape(1), "sum", "gradient norm", ctx.ep_group)[0] if own else 0.0
     total = (sq(shared).double() + own_sq).sqrt()
     coef = min(1.0, max_norm / (float(total) + 1e-6))

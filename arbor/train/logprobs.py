@@ -26,7 +26,8 @@ def gather_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: i
     out = []
     for s in range(0, hidden.shape[0], chunk):
         logits = model.logits(hidden[s:s + chunk])
-        logp = spec.logprobs(logits) if spec is not None else logits.float().log_softmax(-1)
+        wide = torch.promote_types(logits.dtype, torch.float32)          # float64 for a float64 model
+        logp = spec.logprobs(logits) if spec is not None else logits.to(wide).log_softmax(-1)
         out.append(logp.gather(1, targets[s:s + chunk, None])[:, 0])
         if entropy is not None:
             with torch.no_grad():

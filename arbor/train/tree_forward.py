@@ -23,6 +23,7 @@ import torch
 
 from arbor.models import TreeAttention, expert_counts
 from arbor.models.tree_attention import SegmentTreeAttention
+from arbor.models.rows import take_rows
 from arbor.train.logprobs import gather_logprobs, packed_logprobs
 from arbor.train.losses import router_aux_loss
 from arbor.train.tree_plan import first_fit_decreasing
@@ -57,7 +58,7 @@ def row_logprobs(model, row: TreeBatch, cfg: TreeConfig = TreeConfig(), replay_r
     routed = row.routed_experts if replay_routing else None
     out = model(row.tokens, attn, positions=row.positions, routed_experts=routed, return_routing=return_routing,
                 return_router_probs=with_aux)
-    logp = gather_logprobs(model, out.hidden[row.parents.clamp(min=0)], row.tokens, spec=spec, entropy=entropy)
+    logp = gather_logprobs(model, take_rows(out.hidden, row.parents.clamp(min=0)), row.tokens, spec=spec, entropy=entropy)
     logp = torch.where(row.parents >= 0, logp, torch.zeros_like(logp))
     aux = router_aux_loss(out.router_probs, out.routed_experts, row.multiplicity) if with_aux else None
     return RowOutput(logp, [logp[idx] for idx in row.traj_index], out.routed_experts, aux)
@@ -117,8 +118,9 @@ def tree_packed_logprobs(model, seqs: list[list[int]], device=None, routed_exper
 
 def compact_weights(row: TreeBatch, weights: list[torch.Tensor]) -> torch.Tensor:
     """Per-trajectory token weights (aligned with row.traj_ids) → compact weights W [T]:
-    W[i] = Σ of the weights of i over the trajectories through it."""
-    out = torch.zeros(row.num_tokens, dtype=torch.float32, device=row.tokens.device)
+    W[i] = Σ of the weights of i over the trajectories through it; float32 (float64 for float64 weights)."""
+    dtype = torch.promote_types(weights[0].dtype, torch.float32) if weights else torch.float32
+    out = torch.zeros(row.num_tokens, dtype=dtype, device=row.tokens.device)
     for idx, w in zip(row.traj_index, weights):
         out.index_add_(0, idx.to(out.device), w.to(out))
     return out
