@@ -126,7 +126,7 @@ def test_engine_decodes_the_same_with_and_without_the_kernels(dtype, monkeypatch
     assert_engine_noise(model.to(getattr(torch, dtype)), PROMPTS, with_kernel, without)   # the weights served
 
 
-@pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+@pytest.mark.skipif(not packing_available(), reason="no oneDNN packed bfloat16 linear equal to F.linear here (built without oneDNN, or a CPU without native bfloat16)")
 def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
     model = tiny_model()
     engine = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))
@@ -152,7 +152,7 @@ def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
     assert greedy(engine, PROMPTS) == greedy(fresh, PROMPTS)
 
 
-@pytest.mark.skipif(not packing_available(), reason="PyTorch built without oneDNN")
+@pytest.mark.skipif(not packing_available(), reason="no oneDNN packed bfloat16 linear equal to F.linear here (built without oneDNN, or a CPU without native bfloat16)")
 @pytest.mark.parametrize("routed", [True, False], ids=["routed-kernel", "onednn"])
 def test_packing_keeps_hybrid_moe_outputs(routed, monkeypatch):
     """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert. Experts
