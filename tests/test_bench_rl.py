@@ -1,7 +1,10 @@
 """``arbor bench rl`` at its smallest settings, and the skipped θ_old pass it measures.
 
 The bench test never needs ``trl``: it runs with ``--trl off`` (the TRL side is the same code path
-with a subprocess added), and checks that the target entries then say null / not met."""
+with a subprocess added), and checks that the target entries then say null / not met.
+
+Tolerances: the values are float64 (numpy / Python) sums of at most a few hundred terms of size ≤ 1e3, whose
+rounding is ≲ 1e-13: absolute 1e-12 / 1e-9 and relative 1e-12 / 1e-9 (pytest.approx's default 1e-6) hold it with room."""
 
 import asyncio
 import copy

@@ -1,6 +1,9 @@
 """Layer-wise KV (two tiers, offload/prefetch, SLO-aware admission): greedy outputs equal the
 single-tier engine's (dense, MoE, hybrid), under demotion, preemption and prefix-cache hits on
-offloaded blocks; tier accounting; the KV a decode reads; the admission rule; knob validation."""
+offloaded blocks; tier accounting; the KV a decode reads; the admission rule; knob validation.
+
+Tolerances: the values are float64 (numpy / Python) sums of at most a few hundred terms of size ≤ 1e3, whose
+rounding is ≲ 1e-13: absolute 1e-12 / 1e-9 and relative 1e-12 / 1e-9 (pytest.approx's default 1e-6) hold it with room."""
 
 import pytest
 import torch

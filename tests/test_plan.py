@@ -1,4 +1,7 @@
-"""arbor.plan: packing certificates, placement, annealed layout, baselines, cost fit (numpy only, fast)."""
+"""arbor.plan: packing certificates, placement, annealed layout, baselines, cost fit (numpy only, fast).
+
+Tolerances: the values are float64 (numpy / Python) sums of at most a few hundred terms of size ≤ 1e3, whose
+rounding is ≲ 1e-13: absolute 1e-12 / 1e-9 and relative 1e-12 / 1e-9 (pytest.approx's default 1e-6) hold it with room."""
 
 import itertools
 

@@ -1,5 +1,8 @@
 """`arbor train`'s plan.* keys: validation (each bad value names its key), the migration price from the
-cost file, and the trainer's window placement under that price (no ranks: the numpy part)."""
+cost file, and the trainer's window placement under that price (no ranks: the numpy part).
+
+Tolerances: the values are float64 (numpy / Python) sums of at most a few hundred terms of size ≤ 1e3, whose
+rounding is ≲ 1e-13: absolute 1e-12 / 1e-9 and relative 1e-12 / 1e-9 (pytest.approx's default 1e-6) hold it with room."""
 
 import json
 
