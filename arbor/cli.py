@@ -139,11 +139,11 @@ def add_demo(sub) -> None:
 
 def add_dllm_train(sub) -> None:
     p = _job_parser(sub, "dllm-train", "masked-diffusion SFT of a tiny block-diffusion model on built-in tasks",
-                    "arbor.train.diffusion:DiffusionTrainConfig")
+                    "arbor.dllm.sft:DiffusionTrainConfig")
 
     def run(a):
         from arbor import configs
-        from arbor.train.diffusion import DiffusionTrainConfig, train_from_config
+        from arbor.dllm.sft import DiffusionTrainConfig, train_from_config
         path, over = _split_config(a)
         cfg = configs.load(DiffusionTrainConfig, path, over)
         train_from_config(cfg)
@@ -154,11 +154,11 @@ def add_dllm_train(sub) -> None:
 
 def add_dllm_distill(sub) -> None:
     p = _job_parser(sub, "dllm-distill", "TAD trajectory self-distillation → Quality and Speed students",
-                    "arbor.train.distill:DistillRunConfig")
+                    "arbor.dllm.tad:DistillRunConfig")
 
     def run(a):
         from arbor import configs
-        from arbor.train.distill import DistillRunConfig, distill_folder
+        from arbor.dllm.tad import DistillRunConfig, distill_folder
         path, over = _split_config(a)
         for mode, folder in distill_folder(configs.load(DistillRunConfig, path, over)).items():
             print(f"{mode}: saved {folder}")
@@ -187,7 +187,7 @@ def add_generate(sub) -> None:
     a.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     d = p.add_argument_group("block diffusion (the default for block-diffusion checkpoints)")
-    d.add_argument("--diffusion", action="store_true", help="decode with arbor.engine.diffusion")
+    d.add_argument("--diffusion", action="store_true", help="decode with arbor.dllm.decoding")
     d.add_argument("--mode", choices=["quality", "speed", "threshold"], default="quality",
                    help="LLaDA2.1 preset, or Fast-dLLM threshold decoding")
     d.add_argument("--method", choices=["editing", "threshold", "low_confidence"])
@@ -264,7 +264,7 @@ def add_serve(sub) -> None:
                    help="block-diffusion models: the decoding mode of requests that name none")
 
     def server_config(a):
-        from arbor.engine.server_config import ServerConfig
+        from arbor.serve.config import ServerConfig
         root = a.weight_updates_root or (str(Path(a.model).resolve().parent) if a.enable_weight_updates else None)
         return ServerConfig(max_n=a.max_n, max_prompts=a.max_prompts, max_request_tokens=a.max_request_tokens,
                             max_body_bytes=int(a.max_body_mb * (1 << 20)), api_key=a.api_key or None,
@@ -273,12 +273,12 @@ def add_serve(sub) -> None:
 
     def run(a):
         from arbor.engine import EngineConfig
-        from arbor.engine.server import serve
+        from arbor.serve.server import serve
         if a.ranks < 1:
             raise ValueError(f"--ranks must be >= 1, got {a.ranks}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if a.ranks > 1 and "WORLD_SIZE" not in os.environ:       # start the ranks, each re-running this command
-            from arbor.dist.launch import launch
+            from arbor.distributed.launch import launch
             argv = ["serve", a.model]
             for act in p._actions:
                 value = getattr(a, act.dest, None)
@@ -303,7 +303,7 @@ def add_serve(sub) -> None:
 
 
 def _run_diffusion_generate(a) -> None:
-    from arbor.engine.diffusion import generate_text, mode_config
+    from arbor.dllm.decoding import generate_text, mode_config
     from arbor.models import load_model
     from arbor.models.tokenizer import Tokenizer
     knobs = {k: getattr(a, k) for k in ("method", "threshold", "max_post_steps", "block_size", "steps_per_block")
@@ -338,7 +338,7 @@ def add_launch(sub) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="the subcommand and its arguments, e.g. train k=v")
 
     def run(a):
-        from arbor.dist.launch import launch
+        from arbor.distributed.launch import launch
         if not a.command:
             raise ValueError("give the subcommand to run, e.g. `arbor launch -n 2 sft model=tiny-moe`")
         if a.command[0] == "launch":
@@ -387,7 +387,7 @@ def add_plan(sub) -> None:
         else:
             from arbor.bench.ep import model_shape
             from arbor.bench.ep_worker import build_model
-            from arbor.dist import DistContext
+            from arbor.distributed import DistContext
             shape = model_shape(a.hidden, a.experts, a.top_k, a.moe_intermediate, a.layers, a.vocab)
             model = build_model(shape, DistContext.single(), torch.device("cpu"))
         if not model.config.moe_layers:
@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts += extra          # prompts after options (`generate M "a" --max-tokens 5 "b"`)
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from arbor.dist import CollectiveError, TagMismatchError
-    from arbor.dist.allocator import tune_allocator
+    from arbor.distributed import CollectiveError, TagMismatchError
+    from arbor.kernels.allocator import tune_allocator
     try:
         tune_allocator()
         result = args.func(args)
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os._exit(3)
     if os.environ.get("WORLD_SIZE", "1") != "1" and argv is None:     # a rank of a multi-rank run
-        from arbor.dist.context import leave
+        from arbor.distributed.context import leave
         leave(int(result or 0))
     return int(result or 0)
 

@@ -1,6 +1,6 @@
 """Rank programs for tests/test_dist.py: ``python tests/dist_cases.py CASE OUT_DIR [ARGS…]``.
 
-Run only as child processes (``arbor.dist.launch``), never inside pytest: a collective mismatch can
+Run only as child processes (``arbor.distributed.launch``), never inside pytest: a collective mismatch can
 abort the process. Each case checks its own equalities and exits non-zero on failure, or writes what
 the test compares to OUT_DIR.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.dist import DistConfig, init_distributed
+from arbor.distributed import DistConfig, init_distributed
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.expert_parallel import gather_hf_tensors, idle_forward, shard_experts
 
@@ -116,8 +116,8 @@ def case_engine(ctx, out: Path):
 
 def case_crossed(ctx, out: Path):
     """Rank 1 issues layer 1's exchange while rank 0 issues layer 0's: both must raise the tag error."""
-    from arbor.dist import TagMismatchError
-    from arbor.dist.all_to_all import exchange_counts
+    from arbor.distributed import TagMismatchError
+    from arbor.distributed.all_to_all import exchange_counts
     try:
         exchange_counts(ctx, torch.ones(2, 2, dtype=torch.int64), (0, ctx.rank, 1))
     except TagMismatchError as e:
@@ -128,7 +128,7 @@ def case_crossed(ctx, out: Path):
 
 def _peer_fails(ctx, rank1_action) -> None:
     """Rank 1 runs ``rank1_action`` instead of the collective; rank 0 must get a CollectiveError."""
-    from arbor.dist import CollectiveError
+    from arbor.distributed import CollectiveError
     if ctx.rank == 1:
         rank1_action()
     try:
@@ -156,5 +156,5 @@ if __name__ == "__main__":
     case, out, *args = sys.argv[1:]
     ctx = init_distributed(DistConfig(timeout_s=float(os.environ.get("CASE_TIMEOUT", "20"))), 4) if case != "sft" else None
     globals()[f"case_{case}"](ctx, Path(out), *args)
-    from arbor.dist.context import leave
+    from arbor.distributed.context import leave
     leave(0)

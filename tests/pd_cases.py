@@ -1,6 +1,6 @@
 """Rank programs for tests/test_pd_multiplex.py: prefill (P) and decode (D) executors of one EP model
 on 2 ranks, with and without phase-private groups, an in-order device queue and the turnstile.
-Run only as child processes (``arbor.dist.launch``); each case exits non-zero on failure."""
+Run only as child processes (``arbor.distributed.launch``); each case exits non-zero on failure."""
 
 import copy
 import os
@@ -10,9 +10,9 @@ import threading
 
 import torch
 
-from arbor.dist import CollectiveError, DistConfig, TagMismatchError, init_distributed
-from arbor.dist.device_queue import DeviceQueue
-from arbor.dist.turnstile import Turnstile
+from arbor.distributed import CollectiveError, DistConfig, TagMismatchError, init_distributed
+from arbor.engine.policies.device_queue import DeviceQueue
+from arbor.engine.policies.turnstile import Turnstile
 from arbor.models import CausalLM, VarlenAttention
 from arbor.models.expert_parallel import ep_phase, idle_forward, shard_experts
 from tests.dist_cases import sequences, tiny_config
@@ -184,5 +184,5 @@ def case_engine(*policies):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])
-    from arbor.dist.context import leave
+    from arbor.distributed.context import leave
     leave(0)

@@ -1,6 +1,6 @@
 """Rank programs for tests/test_routepack_migration.py: ``python tests/routepack_cases.py CASE OUT_DIR``.
 
-Run only as child processes (``arbor.dist.launch``), never inside pytest. Each case checks its own
+Run only as child processes (``arbor.distributed.launch``), never inside pytest. Each case checks its own
 equalities and exits non-zero on failure.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.dist import DistConfig, init_distributed
+from arbor.distributed import DistConfig, init_distributed
 from arbor.models import CausalLM
 from arbor.models.expert_migration import migrate_experts, placements_of
 from arbor.models.expert_parallel import ExpertPlacement, gather_hf_tensors, shard_experts

@@ -1,4 +1,4 @@
-"""The tuned allocator keeps freed memory for reuse (arbor.dist.allocator); each case runs in a fresh
+"""The tuned allocator keeps freed memory for reuse (arbor.kernels.allocator); each case runs in a fresh
 process, since glibc's settings are per process. The blocks come from libc's malloc itself, so no
 other allocation lands above them at the heap's top (glibc's default trimming then always applies:
 with tensors it depends on what else the process allocated)."""
@@ -12,7 +12,7 @@ import pytest
 
 STEPS = """
 import ctypes, resource
-from arbor.dist.allocator import tune_allocator
+from arbor.kernels.allocator import tune_allocator
 took = tune_allocator()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]

@@ -125,10 +125,10 @@ def test_dllm_targets_from_a_real_evaluation():
     import torch
 
     from arbor.bench.dllm import SWEEP, aup, evaluate, target_list, targets
-    from arbor.engine.diffusion import DecodeConfig, quality, speed
+    from arbor.dllm.decoding import DecodeConfig, quality, speed
     from arbor.models.tokenizer import builtin_tokenizer
     from arbor.tasks import addition
-    from arbor.train.diffusion import build_model
+    from arbor.dllm.sft import build_model
     from tests.test_diffusion_bench import TINY
     tok = builtin_tokenizer()
     model = build_model(tok, TINY, seed=1).eval()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
-from arbor.models import CausalLM, ModelConfig, cpu_ops
+from arbor.kernels import cpu_ops
+from arbor.models import CausalLM, ModelConfig
 from arbor.models.layers import Rotary, apply_rope, rms_norm
 from tests.conftest import TINY
 from tests.float64_ref import assert_near_exact, assert_within_engine_noise, exact_logprobs

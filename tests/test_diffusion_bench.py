@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from arbor.bench.dllm import blocks_decoded, evaluate, first_step_confidence
-from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed
+from arbor.dllm.decoding import DecodeConfig, diffusion_generate, quality, speed
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.tasks import addition
-from arbor.train.diffusion import DiffusionModelConfig, build_model
+from arbor.dllm.sft import DiffusionModelConfig, build_model
 
 TINY = DiffusionModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=8, block_size=8)

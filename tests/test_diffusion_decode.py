@@ -7,7 +7,7 @@ rounding is ≲ 1e-13: absolute 1e-12 / 1e-9 and relative 1e-12 / 1e-9 (pytest.a
 import pytest
 import torch
 
-from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed, transfer_counts
+from arbor.dllm.decoding import DecodeConfig, diffusion_generate, quality, speed, transfer_counts
 from arbor.models import BlockDiffusionAttention, CausalLM, ModelConfig
 
 MASK, EOS, V = 31, 0, 32

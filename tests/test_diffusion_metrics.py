@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from arbor.engine.diffusion_metrics import aup, aup_weight, tpf
+from arbor.dllm.metrics import aup, aup_weight, tpf
 
 
 def test_tpf_is_total_tokens_over_total_forwards():

@@ -12,12 +12,12 @@ import httpx
 import pytest
 import torch
 
-from arbor.engine.diffusion import MODES, diffusion_generate, generate_text, mode_config
-from arbor.engine.diffusion_server import GEN_LENGTH, _Aborted, build_diffusion_app
-from arbor.engine.server_config import ServerConfig
+from arbor.dllm.decoding import MODES, diffusion_generate, generate_text, mode_config
+from arbor.dllm.server import GEN_LENGTH, _Aborted, build_diffusion_app
+from arbor.serve.config import ServerConfig
 from arbor.models import load_model, save_model
 from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
-from arbor.train.diffusion import DiffusionModelConfig, build_model
+from arbor.dllm.sft import DiffusionModelConfig, build_model
 from tests.server_helpers import free_port, running, sse_events, wait_until
 from tests.test_server_shutdown import wait_ready
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from arbor.cli import main as cli_main
-from arbor.engine.diffusion import generate_text, quality
+from arbor.dllm.decoding import generate_text, quality
 from arbor.models import BlockDiffusionAttention, load_model
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.tasks import addition, countdown, sudoku
-from arbor.train.diffusion import (DiffusionModelConfig, DiffusionTrainConfig, PaddedBlockAttention, build_model,
+from arbor.dllm.sft import (DiffusionModelConfig, DiffusionTrainConfig, PaddedBlockAttention, build_model,
                                    diffusion_loss, noised_sample, reference_prompt, task_examples, train_diffusion)
 
 TINY = DiffusionModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

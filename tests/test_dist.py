@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from arbor.dist.launch import launch
+from arbor.distributed.launch import launch
 
 CASES = str(Path(__file__).with_name("dist_cases.py"))
 
@@ -137,7 +137,7 @@ def test_two_rank_rl_run_saves_one_hf_folder_and_resumes(tmp_path):
 
 
 def test_ep_load_reads_only_the_ranks_experts_and_save_gathers(tmp_path):
-    from arbor.dist import DistContext
+    from arbor.distributed import DistContext
     from arbor.models import load_model
     full = tiny_moe_folder(tmp_path / "model")
     ctx = DistContext(rank=1, world_size=2, ep_size=2)
@@ -163,7 +163,7 @@ def test_ep_load_reads_only_the_ranks_experts_and_save_gathers(tmp_path):
 
 
 def test_bad_layouts_say_what_to_change():
-    from arbor.dist import DistConfig, resolve_ep_size
+    from arbor.distributed import DistConfig, resolve_ep_size
     from arbor.models.expert_parallel import ExpertPlacement
     with pytest.raises(ValueError, match="does not divide the 6 experts"):
         resolve_ep_size(DistConfig(ep_size=4), 4, 6)

@@ -6,7 +6,7 @@ from arbor.bench.dllm import BLOCK_SIZE, DATA_VERSION
 from arbor.cli import main as cli_main
 from arbor.models import save_model
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.train.diffusion import DiffusionModelConfig, build_model
+from arbor.dllm.sft import DiffusionModelConfig, build_model
 
 
 def test_bench_runs_and_writes_targets(tmp_path):

@@ -5,7 +5,7 @@ differences in float64."""
 import torch
 
 from arbor.models import BlockDiffusionAttention, CausalLM, ModelConfig
-from arbor.train.ebpo import draw_noise, ebpo_loss, elbo_blocks, elbo_blocks_loop, mean_field_logprobs
+from arbor.dllm.ebpo import draw_noise, ebpo_loss, elbo_blocks, elbo_blocks_loop, mean_field_logprobs
 from arbor.train.losses import LossConfig
 
 MASK, EOS, V = 31, 0, 32
@@ -41,7 +41,7 @@ def log_p_by_hand(model, ids):
 
 
 def elbo_by_hand(model, prompts, responses, noise):
-    """ELBO_b of ``arbor.train.ebpo``'s docstring written out: per level t_n (weight 1 / (N t_n)) and response
+    """ELBO_b of ``arbor.dllm.ebpo``'s docstring written out: per level t_n (weight 1 / (N t_n)) and response
     block b, the clean tokens before b then block b with its masked response tokens set to [MASK]; the
     log p of the masked tokens of b, summed. → per sample, the values of its response blocks in order."""
     B, N, out = model.config.block_size, len(noise.levels), []
@@ -136,7 +136,7 @@ def test_gradient_matches_finite_differences_float64():
 
 
 def test_sampled_diffusion_rollouts_are_seeded():
-    from arbor.engine.diffusion import DecodeConfig, diffusion_generate
+    from arbor.dllm.decoding import DecodeConfig, diffusion_generate
     model = tiny_model(block_size=4)
     prompts = [[1, 2, 3], [4, 5]] * 3
     cfg = DecodeConfig(method="threshold", threshold=0.9, editing_threshold=None, gen_length=8)

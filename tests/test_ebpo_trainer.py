@@ -10,7 +10,7 @@ import torch
 from arbor import configs
 from arbor.models import save_model
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.train.diffusion import DiffusionModelConfig, build_model
+from arbor.dllm.sft import DiffusionModelConfig, build_model
 from arbor.train.rl import RLConfig
 from arbor.train.run import build_trainer, evaluate_folder
 
@@ -65,7 +65,7 @@ def test_eval_and_task_errors(dllm_dir, tmp_path):
     acc = evaluate_folder(str(dllm_dir), "sudoku", 4)
     assert 0 <= acc <= 1
     from arbor.tasks.registry import DIFFUSION_TASKS, get_task
-    from arbor.train.diffusion import TASKS
+    from arbor.dllm.sft import TASKS
     assert TASKS is DIFFUSION_TASKS                        # one registry for both kinds of task
     with pytest.raises(ValueError, match="block-diffusion task"):
         get_task("sudoku")

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention, cpu_moe
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+from arbor.kernels import cpu_attention, cpu_moe
 from arbor.engine.cpu_linear import DENSE_MAX_TOKENS, PackedExperts, PackedLinear, available as packing_available
 from arbor.models.moe import Experts, dispatch_experts
 from arbor.models import CausalLM, ModelConfig

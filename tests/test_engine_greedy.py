@@ -4,7 +4,8 @@ argmax loop (Qwen3-Next hybrid), across batching, prefix caching, chunked prefil
 import pytest
 import torch
 
-from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+from arbor.kernels import cpu_attention
 from arbor.models import VarlenAttention, load_model
 from tests.conftest import hf_model
 

@@ -8,7 +8,8 @@ rounding is ≲ 1e-13: absolute 1e-12 / 1e-9 and relative 1e-12 / 1e-9 (pytest.a
 import pytest
 import torch
 
-from arbor.engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
+from arbor.engine import EngineConfig, LLMEngine, SamplingParams
+from arbor.kernels import cpu_attention
 from arbor.engine.sequence import Sequence, SequenceStatus
 from arbor.models import load_model
 from tests.conftest import hf_model
@@ -237,7 +238,7 @@ def test_tier_accounting_by_hand():
     when a leaves, b is promoted to 2 layers and its computed blocks are queued as fills."""
     from types import SimpleNamespace
 
-    from arbor.engine.kv_tiers import DeviceTier, TieredBlockManager
+    from arbor.engine.kv.tiers import DeviceTier, TieredBlockManager
     tier = DeviceTier(20, 4, 4)
     bm = TieredBlockManager(16, 4, tiers=SimpleNamespace(device=tier))
 

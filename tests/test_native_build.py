@@ -1,12 +1,12 @@
-"""``arbor.models.native``: the C kernels' build settings are checked, and a kernel built for an
+"""``arbor.kernels.native``: the C kernels' build settings are checked, and a kernel built for an
 AVX2-only target reports its AVX-512 paths unavailable (so callers take the PyTorch path)."""
 
 import shutil
 
 import pytest
 
-from arbor.engine import cpu_attention, cpu_moe
-from arbor.models import native
+from arbor.kernels import cpu_attention, cpu_moe
+from arbor.kernels import native
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
 

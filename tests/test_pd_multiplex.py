@@ -6,7 +6,7 @@ rounds with random skew run clean and equal the one-process model."""
 import sys
 import time
 
-from arbor.dist.launch import launch
+from arbor.distributed.launch import launch
 
 
 def run(*args, timeout=60, env=None):

@@ -8,7 +8,7 @@ import sys
 import torch
 from pathlib import Path
 
-from arbor.dist.launch import launch
+from arbor.distributed.launch import launch
 
 CASES = str(Path(__file__).with_name("routepack_cases.py"))
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import torch
 
-from arbor.dist.context import process_alive
-from arbor.dist.launch import free_port
+from arbor.distributed.context import process_alive
+from arbor.distributed.launch import free_port
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
 from arbor.models import load_model
 from arbor.models.tokenizer import builtin_tokenizer

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
-from arbor.engine.server import build_app
-from arbor.engine.server_config import ServerConfig
+from arbor.serve.server import build_app
+from arbor.serve.config import ServerConfig
 from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
 from arbor.models import CausalLM, ModelConfig, load_model, save_model
 from tests.float64_ref import assert_within_engine_noise, exact_logprobs

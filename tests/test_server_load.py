@@ -17,8 +17,8 @@ import httpx
 import torch
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
-from arbor.engine.server import build_app
-from arbor.engine.server_config import ServerConfig
+from arbor.serve.server import build_app
+from arbor.serve.config import ServerConfig
 from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
 from tests.server_helpers import running, tiny_folder, wait_until
 

@@ -8,8 +8,8 @@ import torch
 
 from arbor.cli import build_parser
 from arbor.engine import EngineConfig
-from arbor.engine.server import build_app
-from arbor.engine.server_config import ServerConfig
+from arbor.serve.server import build_app
+from arbor.serve.config import ServerConfig
 from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
 from tests.server_helpers import running, sse_events, tiny_folder
 

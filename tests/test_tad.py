@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from arbor.train.diffusion import Example
+from arbor.dllm.sft import Example
 from arbor.train.optim import OptimConfig
-from arbor.train.distill import (TADConfig, Trajectory, current_block, distill, make_pairs, partition,
+from arbor.dllm.tad import (TADConfig, Trajectory, current_block, distill, make_pairs, partition,
                                  record_trajectories, tad_loss)
 from tests.test_diffusion_decode import MASK, tiny_model
 

@@ -1,6 +1,6 @@
 """`arbor dllm-distill --mode quality` distils with the Quality Δ (2), not the Speed one (8)."""
 
-from arbor.train.distill import QUALITY_DELTA, SPEED_DELTA, TADConfig, mode_delta
+from arbor.dllm.tad import QUALITY_DELTA, SPEED_DELTA, TADConfig, mode_delta
 
 
 def test_each_mode_gets_its_delta_unless_one_is_given():

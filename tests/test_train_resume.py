@@ -10,9 +10,9 @@ import torch
 from arbor.cli import main as cli_main
 from arbor.models import CausalLM, ModelConfig, load_model
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.train.diffusion import DiffusionTrainConfig, build_model, task_examples, train_diffusion
-from arbor.train.distill import TADConfig, cached_trajectories, distill, record_trajectories
-from arbor.train.diffusion import Example
+from arbor.dllm.sft import DiffusionTrainConfig, build_model, task_examples, train_diffusion
+from arbor.dllm.tad import TADConfig, cached_trajectories, distill, record_trajectories
+from arbor.dllm.sft import Example
 from arbor.train.optim import OptimConfig
 from arbor.train.sft import SFTConfig, sft
 from tests.test_diffusion_decode import tiny_model

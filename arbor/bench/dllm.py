@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from arbor.bench.common import print_table, print_targets, target, write_result
-from arbor.engine.diffusion import DecodeConfig, diffusion_generate, quality, speed
-from arbor.engine.diffusion_metrics import aup, tpf
+from arbor.dllm.decoding import DecodeConfig, diffusion_generate, quality, speed
+from arbor.dllm.metrics import aup, tpf
 from arbor.models import BlockDiffusionAttention, load_model
 from arbor.models.tokenizer import Tokenizer
-from arbor.train.diffusion import TASKS, DiffusionModelConfig, DiffusionTrainConfig, train_from_config
+from arbor.dllm.sft import TASKS, DiffusionModelConfig, DiffusionTrainConfig, train_from_config
 from arbor.train.optim import OptimConfig
-from arbor.train.distill import DistillRunConfig, TADConfig, distill_folder
+from arbor.dllm.tad import DistillRunConfig, TADConfig, distill_folder
 from arbor.train.run_log import LogConfig
 
 SWEEP = (1.0, 0.9, 0.8, 0.7, 0.5, 0.3, 0.1)

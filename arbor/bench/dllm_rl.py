@@ -23,8 +23,8 @@ import torch
 
 from arbor.bench.common import print_table, print_targets, target, write_result
 from arbor.models import load_model
-from arbor.train.ebpo import EBPOConfig
-from arbor.train.ebpo_trainer import EBPOTrainer
+from arbor.dllm.ebpo import EBPOConfig
+from arbor.dllm.ebpo_trainer import EBPOTrainer
 from arbor.train.optim import OptimConfig
 from arbor.train.rl import RLConfig
 
@@ -34,7 +34,7 @@ EVAL_SEED = 777          # the held-out problems, the same for every run
 def base_model_dir(cache: str, steps: int, device: str, log=print) -> Path:
     """The ``arbor bench dllm`` base (all tasks, block 64), trained into ``cache`` when missing."""
     from arbor.bench.dllm import BLOCK_SIZE, DATA_VERSION
-    from arbor.train.diffusion import DiffusionModelConfig, DiffusionTrainConfig, train_from_config
+    from arbor.dllm.sft import DiffusionModelConfig, DiffusionTrainConfig, train_from_config
     base = Path(cache) / f"v{DATA_VERSION}_base_b{BLOCK_SIZE}_s{steps}"
     if not (base / "config.json").exists():
         cfg = DiffusionTrainConfig(steps=steps, device=device, log_every=250,

@@ -2,7 +2,7 @@
 
 Qwen3-MoE shape where the experts hold most of the weights (default: hidden 512, 16 experts top-2,
 expert width 512, 4 layers, vocab 2048; random weights from fixed seeds). Two configurations do the
-same global work, each in child processes started by ``arbor.dist.launch`` (``arbor.bench.ep_worker``)
+same global work, each in child processes started by ``arbor.distributed.launch`` (``arbor.bench.ep_worker``)
 under a hard timeout:
 - ``single``: 1 rank × N threads holds the whole model and the whole batch;
 - ``ep``: N ranks × 1 thread, each holding 1/N of every MoE layer's experts (``shard_experts``);
@@ -30,7 +30,7 @@ import sys
 import time
 
 from arbor.bench.common import add_moe_shape_arguments, median, print_table, write_result
-from arbor.dist.launch import launch
+from arbor.distributed.launch import launch
 
 MIB = 1 << 20
 MARK = "EP_RESULT "     # a rank's result line: MARK + json

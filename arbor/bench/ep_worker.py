@@ -1,4 +1,4 @@
-"""One rank of ``arbor bench ep`` (started by ``arbor.dist.launch``; not run by hand).
+"""One rank of ``arbor bench ep`` (started by ``arbor.distributed.launch``; not run by hand).
 
 ``python -m arbor.bench.ep_worker '<json spec>'``: the spec names the phase (``train`` or ``decode``),
 the model shape and the workload. Every rank builds the same model (parameters initialised from a
@@ -33,14 +33,14 @@ import torch.nn.functional as F  # noqa: E402
 
 from arbor.bench.common import sync  # noqa: E402
 from arbor.bench.ep import MARK  # noqa: E402
-from arbor.dist import DistConfig, init_distributed, shutdown  # noqa: E402
+from arbor.distributed import DistConfig, init_distributed, shutdown  # noqa: E402
 from arbor.models import CausalLM, ModelConfig, VarlenAttention  # noqa: E402
 from arbor.models.expert_parallel import is_expert_param, shard_experts  # noqa: E402
 from arbor.train.distributed import reduce_gradients  # noqa: E402
 
 
 class CommTimer:
-    """Wraps ``dist.all_to_all_single`` (what ``arbor.dist.all_to_all`` calls) to sum its seconds."""
+    """Wraps ``dist.all_to_all_single`` (what ``arbor.distributed.all_to_all`` calls) to sum its seconds."""
 
     def __init__(self):
         self.seconds, self.calls, self.bytes = 0.0, 0, 0

@@ -8,7 +8,7 @@ every policy computes the same tokens (checked). Configurations, each in its own
 (``arbor.bench.makespan_worker``, 1 thread per rank, hard timeout): 1 rank dense, 1 rank MoE,
 2 ranks MoE with EP = 2 (attention data-parallel: each rank drives half the trajectories).
 Policies, interleaved over ``--repeats`` rounds: ``prefill-first``, ``mixed``, ``pd-global-enqueue``,
-``pd-multiplex`` (``arbor.engine.pd_multiplex``).
+``pd-multiplex`` (``arbor.engine.policies.pd_multiplex``).
 
 Reported per configuration and policy: makespan (median over repeats; on N ranks the ranks finish
 together), p50/p99 TTFT of continuation prefills, decode stall (Σ over decode tokens of the time
@@ -29,7 +29,7 @@ import numpy as np
 
 from arbor.bench.common import median, print_table, print_targets, target, write_result
 from arbor.bench.makespan_worker import MARK
-from arbor.dist.launch import launch
+from arbor.distributed.launch import launch
 
 POLICIES = ["prefill-first", "mixed", "pd-global-enqueue", "pd-multiplex"]
 CONFIGS = {"1 rank dense": (1, False), "1 rank MoE": (1, True), "2 ranks MoE (EP=2)": (2, True)}

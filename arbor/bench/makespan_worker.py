@@ -1,4 +1,4 @@
-"""One rank of ``arbor bench makespan`` (started by ``arbor.dist.launch``; not run by hand).
+"""One rank of ``arbor bench makespan`` (started by ``arbor.distributed.launch``; not run by hand).
 
 ``python -m arbor.bench.makespan_worker '<json spec>'``: builds the model of the spec (the same
 weights on every rank from one seed; experts split over the ranks when ``WORLD_SIZE`` > 1), draws the
@@ -103,7 +103,7 @@ def drive(engine, trajs: list[dict], ctx) -> dict:
 
 
 def main(spec: dict) -> None:
-    from arbor.dist import DistConfig, init_distributed
+    from arbor.distributed import DistConfig, init_distributed
     from arbor.engine import EngineConfig, LLMEngine
     from arbor.models import CausalLM, ModelConfig
     from arbor.models.expert_parallel import shard_experts
@@ -127,7 +127,7 @@ def main(spec: dict) -> None:
             if r:
                 results[policy].append(out)
     print(MARK + json.dumps({"rank": ctx.rank, "results": results}), flush=True)
-    from arbor.dist.context import leave
+    from arbor.distributed.context import leave
     leave(0)
 
 

@@ -54,7 +54,7 @@ def record_traces(shape: dict, windows: int, samples: int, seed: int, max_len: i
     import torch
 
     from arbor.bench.ep_worker import build_model
-    from arbor.dist import DistContext
+    from arbor.distributed import DistContext
     from arbor.engine import EngineConfig, LLMEngine, SamplingParams
     from arbor.models import VarlenAttention
     from arbor.plan.traces import lengths
@@ -147,7 +147,7 @@ def measured_plans(steps: list[list[np.ndarray]], window_steps: int, E: int, cap
     return plans, info
 def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmup: int, timeout_s: float,
                  window_steps: int) -> dict:
-    from arbor.dist.launch import launch
+    from arbor.distributed.launch import launch
     from arbor.bench.routepack_worker import MARK
     samples = [x for step in steps for x in step]
     offsets = np.cumsum([0] + [x.shape[1] for x in samples])
@@ -215,7 +215,7 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
         import torch
 
         from arbor.bench.ep_worker import build_model
-        from arbor.dist import DistContext
+        from arbor.distributed import DistContext
         from arbor.train.plan_calibrate import calibrate, calibrate_ep, calibrate_migration, with_ep_fit, with_migration
         print("calibrating the cost model on this machine (as `arbor plan calibrate --ep`: 2 EP ranks) ...", flush=True)
         cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)

@@ -1,4 +1,4 @@
-"""One rank of ``arbor bench routepack``'s measured part (started by ``arbor.dist.launch``; not run by hand).
+"""One rank of ``arbor bench routepack``'s measured part (started by ``arbor.distributed.launch``; not run by hand).
 
 ``python -m arbor.bench.routepack_worker SPEC.json``: the spec names the model shape, the trace
 file (``.npz``: every sample's replayed expert ids [Lm, n_i, k]) and, per method and step, the grid of
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from arbor.bench.ep_worker import build_model  # noqa: E402
-from arbor.dist import DistConfig, init_distributed, shutdown  # noqa: E402
+from arbor.distributed import DistConfig, init_distributed, shutdown  # noqa: E402
 from arbor.models import VarlenAttention  # noqa: E402
 from arbor.models.expert_migration import migrate_experts, placements_of  # noqa: E402
 from arbor.models.expert_parallel import ExpertPlacement, idle_forward  # noqa: E402

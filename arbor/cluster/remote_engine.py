@@ -35,7 +35,7 @@ import uuid
 
 from arbor.cluster.channel import LOST, Channel
 from arbor.cluster.weights import BroadcastGroup, flatten
-from arbor.dist import CollectiveError
+from arbor.distributed import CollectiveError
 
 BROADCAST_TRIES = 3
 

@@ -57,7 +57,7 @@ class TrainerRank:
         import ray
 
         from arbor.cluster.remote_engine import RemoteEngine
-        from arbor.dist import init_distributed
+        from arbor.distributed import init_distributed
         from arbor.models import ModelConfig, load_model
         from arbor.models.tokenizer import Tokenizer
         from arbor.tasks.registry import get_task

@@ -2,7 +2,7 @@
 
 Public API: ``LLMEngine(model_or_path, EngineConfig, tokenizer=None)`` with ``generate``,
 ``add_request / step / abort``, ``update_weights``; ``AsyncLLMEngine`` (streaming ``generate``,
-``pause / resume``); ``SamplingParams``; ``Completion``. ``arbor.engine.server.build_app`` serves
+``pause / resume``); ``SamplingParams``; ``Completion``. ``arbor.serve.server.build_app`` serves
 an ``AsyncLLMEngine`` over OpenAI-compatible HTTP.
 """
 

@@ -25,16 +25,16 @@ class EngineConfig:
     ``policy``: ``mixed`` | ``prefill-first`` | ``pd-multiplex`` | ``pd-global-enqueue`` (``scheduler``);
     ``pd_segment_layers``: layers per prefill segment under ``pd-multiplex`` — a decode step may run
     at every segment boundary (a segment's tokens: the prefill epoch, ≤ ``max_num_batched_tokens``).
-    ``layer_kv``: layer-wise KV over two tiers (``arbor.engine.layerkv``): a device tier of
+    ``layer_kv``: layer-wise KV over two tiers (``arbor.engine.policies.layerkv``): a device tier of
     ``device_kv_blocks`` layer-blocks (default: the pool above, in layer-blocks) and a host tier of
     ``host_kv_blocks`` blocks (default: the pool above); ``policy="layerkv"`` adds
     SLO-aware admission to ``mixed`` (``tpot_slo``, ``ttft_slo`` in seconds, safety factor
-    ``slo_safety`` ≥ 1 on the predicted prefill time; ``arbor.engine.slo_admission``).
+    ``slo_safety`` ≥ 1 on the predicted prefill time; ``arbor.engine.policies.slo_admission``).
     ``share_weights``: a module already in the engine's dtype and device is served as is (the
     caller's tensors; weight updates move nothing); False: the engine keeps its own copy, which it
     may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
     oneDNN pre-packed weights (1.1–1.9× faster GEMMs here) and the fused C ops of
-    ``arbor.models.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another order than ``F.linear``
+    ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another order than ``F.linear``
     and the PyTorch ops, so logits differ in the last bits | ``exact``: ``F.linear`` and the PyTorch
     ops. bfloat16 copies are always packed (bit-identical there; ``arbor.engine.cpu_linear``)."""
     block_size: int = 16

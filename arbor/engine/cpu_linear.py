@@ -10,12 +10,12 @@ weight):
 - every other ``nn.Linear`` becomes a ``PackedLinear``: the same object and ``weight``
   parameter, plus a non-persistent packed buffer;
 - every MoE ``Experts`` module becomes a ``PackedExperts``: in bfloat16 where the routed C kernel
-  runs (``arbor.engine.cpu_moe``), its weights packed for that kernel, which serves every
+  runs (``arbor.kernels.cpu_moe``), its weights packed for that kernel, which serves every
   inference call; otherwise each expert's gate/up and down matrices kept packed for oneDNN (training
   keeps the parameters).
 
 Every attention and MLP module of a packed copy is marked ``engine_owned``: its float32 forwards
-may then run the fused element-wise C ops too (``arbor.models.cpu_ops``; last-bit differences).
+may then run the fused element-wise C ops too (``arbor.kernels.cpu_ops``; last-bit differences).
 State-dict names and ``update_weights`` are unchanged; the parameters stay the source of truth
 and ``repack(model)`` refreshes every packed copy after they change in place. In bfloat16 the
 outputs are bit-identical to ``F.linear`` (same dot products, column by column) and a decode
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.engine import cpu_moe
+from arbor.kernels import cpu_moe
 from arbor.models.attention import SoftmaxAttention
 from arbor.models.layers import MLP, silu_mul
 from arbor.models.moe import Experts

@@ -27,8 +27,8 @@ from arbor.engine.block_manager import BlockManager
 from arbor.engine.config import EngineConfig
 from arbor.engine.cpu_linear import pack_linears, repack
 from arbor.engine.model_runner import ModelRunner
-from arbor.engine.paged_attention import KVCache
-from arbor.engine.pd_multiplex import Multiplexer
+from arbor.engine.kv.paged import KVCache
+from arbor.engine.policies.pd_multiplex import Multiplexer
 from arbor.engine.sampler import Sampler
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.scheduler import Scheduler
@@ -77,7 +77,7 @@ def refuse_block_diffusion(model_or_path) -> None:
     if mc is not None and getattr(mc, "is_block_diffusion", False):
         raise ValueError(f"{model_or_path if isinstance(model_or_path, (str, Path)) else 'this model'} is a "
                          f"block-diffusion model ({mc.architecture}); LLMEngine decodes left to right and would "
-                         "decode it wrongly. Use `arbor generate --diffusion` (arbor.engine.diffusion: "
+                         "decode it wrongly. Use `arbor generate --diffusion` (arbor.dllm.decoding: "
                          "diffusion_generate / generate_text), `arbor eval` for accuracy, and `arbor train` for EBPO")
 
 
@@ -107,8 +107,8 @@ class LLMEngine:
         num_blocks = seq_blocks = cfg.resolve_num_blocks(per_block)
         runner_cls, manager_cls, tiers = ModelRunner, BlockManager, {}
         self.layer_kv = None
-        if cfg.layer_kv:    # two KV tiers with per-layer residency (arbor.engine.layerkv)
-            from arbor.engine.layerkv import LayerKV, LayerKVRunner, TieredBlockManager
+        if cfg.layer_kv:    # two KV tiers with per-layer residency (arbor.engine.policies.layerkv)
+            from arbor.engine.policies.layerkv import LayerKV, LayerKVRunner, TieredBlockManager
             self.layer_kv = LayerKV(cfg, n_attn, per_block, self.model.device)
             num_blocks, seq_blocks = self.layer_kv.host_blocks, self.layer_kv.max_seq_blocks
             runner_cls, manager_cls, tiers = LayerKVRunner, TieredBlockManager, {"tiers": self.layer_kv}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from arbor.engine.paged_attention import KVCache, PagedAttention
+from arbor.engine.kv.paged import KVCache, PagedAttention
 from arbor.engine.sequence import Sequence
-from arbor.engine.state_cache import StateCache
+from arbor.engine.kv.state_cache import StateCache
 
 
 class ModelRunner:

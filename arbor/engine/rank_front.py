@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
-from arbor.dist import CollectiveError
+from arbor.distributed import CollectiveError
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.sequence import Completion
 
@@ -232,7 +232,7 @@ def _serve_front(front: RankFront, host: str, port: int, model_name: str, server
     import uvicorn
 
     from arbor.engine.async_engine import AsyncLLMEngine
-    from arbor.engine.server import build_app
+    from arbor.serve.server import build_app
     app = build_app(AsyncLLMEngine(front), model_name, server_config)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port))
 
@@ -266,7 +266,7 @@ def _serve_front(front: RankFront, host: str, port: int, model_name: str, server
 def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | None = None,
                 server_config=None) -> None:
     """This process's part of a multi-rank server; the rank comes from torchrun's environment."""
-    from arbor.dist import DistConfig, init_distributed
+    from arbor.distributed import DistConfig, init_distributed
     from arbor.engine.llm_engine import LLMEngine
     from arbor.models import ModelConfig
     ctx = init_distributed(DistConfig(), num_experts=ModelConfig.from_file(model_dir).num_experts,

@@ -16,8 +16,8 @@ Policies (``SchedulerPolicy.schedule(scheduler) -> list[(seq, num_tokens)]``):
 - ``mixed``: decodes first, then prefill chunks and admissions fill the rest of the budget, one forward.
 - ``pd-multiplex`` / ``pd-global-enqueue``: the same plan as ``mixed`` (decodes first, prefill gets
   the leftover budget) run as two forwards, the prefill one cut into segments with decode steps at
-  the boundaries — fine boundaries or none (``arbor.engine.pd_multiplex``).
-- ``layerkv``: ``mixed`` with SLO-aware admission of prefills (``arbor.engine.slo_admission``; needs
+  the boundaries — fine boundaries or none (``arbor.engine.policies.pd_multiplex``).
+- ``layerkv``: ``mixed`` with SLO-aware admission of prefills (``arbor.engine.policies.slo_admission``; needs
   ``EngineConfig.layer_kv``).
 """
 
@@ -27,7 +27,7 @@ from collections import deque
 
 from arbor.engine.block_manager import BlockManager
 from arbor.engine.sequence import Sequence, SequenceStatus
-from arbor.engine.slo_admission import LayerKVPolicy
+from arbor.engine.policies.slo_admission import LayerKVPolicy
 
 ScheduledBatch = list[tuple[Sequence, int]]
 
@@ -158,7 +158,7 @@ class Mixed:
 
 class PDMultiplex:
     """Decode batch first (with preemption), prefill epoch in the leftover budget; the engine runs
-    them as separate forwards (``arbor.engine.pd_multiplex``), prefill cut every
+    them as separate forwards (``arbor.engine.policies.pd_multiplex``), prefill cut every
     ``EngineConfig.pd_segment_layers`` layers."""
     whole_epoch = False
 

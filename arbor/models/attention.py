@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.models import cpu_ops
+from arbor.kernels import cpu_ops
 from arbor.models.layers import RMSNorm, apply_rope, rms_norm
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from arbor.dist.all_to_all import PHASES, all_to_all, exchange_counts
+from arbor.distributed.all_to_all import PHASES, all_to_all, exchange_counts
 from arbor.models.moe import Experts
 from arbor.models.rows import take_rows
 

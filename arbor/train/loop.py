@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.dist import DistContext
+from arbor.distributed import DistContext
 from arbor.train.optim import make_optimizer, optimizer_step
 
 RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out",

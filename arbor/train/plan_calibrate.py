@@ -16,7 +16,7 @@ The fit (non-negative least squares) is written as JSON (``CostModel.save``) wit
 threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``).
 
 3. ``calibrate_migration``: the seconds per migrated expert (``CostModel.move_s``), measured where
-   a migration really runs: 2 EP ranks (``arbor.dist.launch``, this module as the rank program),
+   a migration really runs: 2 EP ranks (``arbor.distributed.launch``, this module as the rank program),
    the model sharded over them, fused AdamW with its moments filled by one step; then
    ``migrate_experts`` (weights + both AdamW moments over the EP all-to-all) to placements that
    move M experts in one MoE layer or spread over all of them (``migration_points``) and back,
@@ -162,8 +162,8 @@ def migration_targets(num_experts: int, moe_layers: int, ep_size: int,
 
 
 def _migration_rank(spec_path: str) -> None:
-    """One rank of ``calibrate_migration`` (run by ``arbor.dist.launch``)."""
-    from arbor.dist import DistConfig, init_distributed, shutdown
+    """One rank of ``calibrate_migration`` (run by ``arbor.distributed.launch``)."""
+    from arbor.distributed import DistConfig, init_distributed, shutdown
     from arbor.models.expert_migration import migrate_experts
     from arbor.models.expert_parallel import ExpertPlacement
     spec = json.loads(Path(spec_path).read_text())
@@ -205,7 +205,7 @@ def _two_rank_moe(shape: dict | None, model_dir: str | None, what: str):
 def _run_ranks(tmp: Path, spec: dict, mark: str, threads: int, timeout_s: float, what: str) -> list[dict]:
     """Run this module as 2 ranks on ``spec`` (written to ``tmp``) → each rank's last ``mark`` line,
     parsed; a failed launch or a silent rank raises with the ranks' last lines."""
-    from arbor.dist.launch import launch
+    from arbor.distributed.launch import launch
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
     res = launch([sys.executable, "-m", "arbor.train.plan_calibrate", str(path)], 2, threads,
@@ -342,7 +342,7 @@ def _slots_rank(spec: dict) -> None:
     import resource
 
     from arbor.bench.routepack_worker import load_traces
-    from arbor.dist import DistConfig, init_distributed, shutdown
+    from arbor.distributed import DistConfig, init_distributed, shutdown
     from arbor.models import VarlenAttention
     from arbor.models.expert_migration import migrate_experts
     ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec["timeout_s"]), spec["num_experts"])

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from arbor.configs import check
-from arbor.dist import DistConfig, DistContext
+from arbor.distributed import DistConfig, DistContext
 from arbor.models.sampling import SamplingSpec
 from arbor.rollout.collector import Collector, RolloutConfig
 from arbor.train.advantages import group_advantages
@@ -44,7 +44,7 @@ from arbor.train.losses import LossConfig, policy_loss
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
 from arbor.train.run_log import LogConfig, RunLog
-from arbor.train.ebpo import EBPOConfig
+from arbor.dllm.ebpo import EBPOConfig
 from arbor.train.distributed import global_count, run_idle_passes, set_recompute
 from arbor.train.tree_plan import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
@@ -113,7 +113,7 @@ class RLConfig:
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
     plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
-    dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.train.ebpo_trainer)
+    dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.dllm.ebpo_trainer)
 
     def __post_init__(self):
         if not isinstance(self.rollout, RLRolloutConfig):      # a plain RolloutConfig: overlap off

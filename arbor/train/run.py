@@ -43,13 +43,13 @@ def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", l
 def build_trainer(cfg):
     """Model, engine and trainer of ``cfg`` (a block-diffusion model gets ``EBPOTrainer``); under ``arbor launch`` / torchrun each rank builds its
     own, with the experts of an MoE model split over ``dist.ep_size`` ranks."""
-    from arbor.dist import init_distributed
+    from arbor.distributed import init_distributed
     from arbor.models import ModelConfig, load_model
     from arbor.models.tokenizer import Tokenizer
     from arbor.tasks.registry import get_task
     from arbor.train.rl import RLTrainer
     if ModelConfig.from_file(cfg.model).is_block_diffusion:     # EBPO: diffusion rollouts, block-ELBO ratio
-        from arbor.train.ebpo_trainer import build_ebpo_trainer
+        from arbor.dllm.ebpo_trainer import build_ebpo_trainer
         return build_ebpo_trainer(cfg)
     torch.manual_seed(cfg.seed)
     ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)

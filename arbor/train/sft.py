@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.train.logprobs import packed_logprobs
-from arbor.dist import DistConfig, DistContext
+from arbor.distributed import DistConfig, DistContext
 from arbor.train.distributed import run_idle_passes, set_recompute
 from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
@@ -127,7 +127,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     model) and rank 0 writes the one HF folder."""
     from pathlib import Path
 
-    from arbor.dist import init_distributed
+    from arbor.distributed import init_distributed
     from arbor.models import CausalLM, ModelConfig, load_model, save_model
     from arbor.models.expert_parallel import gather_hf_tensors, shard_experts
     from arbor.models.presets import PRESETS, preset_config

@@ -12,7 +12,7 @@
    every routed (token, expert) pair; (B) per block of 16 output columns, every expert's pairs,
    weighted and summed per token in registers/stack, so no two threads write the same output.
    The PyTorch path (per-expert GEMMs, or all experts densely for a few tokens) computes E / k times
-   the FLOPs or pays a call per expert; see arbor/engine/cpu_linear.py. Built by arbor/models/native.py. */
+   the FLOPs or pays a call per expert; see arbor/engine/cpu_linear.py. Built by arbor/kernels/native.py. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -7,7 +7,7 @@
    The softmax is exact (two passes: max, then exp-sum); bfloat16 output rounds once, to nearest
    even. With AVX-512 a bfloat16 cache takes two faster paths (scores by vdpbf16ps, the value pass with its
    accumulators in registers; together 1.25–1.3× the generic passes on 256 sequences of 80–640 keys).
-   Built and loaded by arbor/engine/cpu_attention.py. */
+   Built and loaded by arbor/kernels/cpu_attention.py. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>

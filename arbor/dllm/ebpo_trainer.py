@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from arbor.dist import DistContext
-from arbor.engine.diffusion import DecodeConfig, diffusion_generate, mode_config
+from arbor.distributed import DistContext
+from arbor.dllm.decoding import DecodeConfig, diffusion_generate, mode_config
 from arbor.train.advantages import group_advantages
-from arbor.train.ebpo import draw_noise, ebpo_loss, unit_logprobs
+from arbor.dllm.ebpo import draw_noise, ebpo_loss, unit_logprobs
 from arbor.train.loop import load_state, save_state, settings_of
 from arbor.train.optim import make_optimizer, optimizer_step
 from arbor.train.rl import train_loop
@@ -37,7 +37,7 @@ STATS = ("clip_low", "clip_high", "dual_clip_frac", "approx_kl")
 
 
 def decode_config(mode: str, gen_length: int, **kw) -> DecodeConfig:
-    """The named decoding mode at the model's own block size (``arbor.engine.diffusion.mode_config``)."""
+    """The named decoding mode at the model's own block size (``arbor.dllm.decoding.mode_config``)."""
     return mode_config(mode, gen_length=gen_length, **kw)
 
 

@@ -25,7 +25,7 @@ from itertools import accumulate
 
 import torch
 
-from arbor.engine import cpu_attention
+from arbor.kernels import cpu_attention
 from arbor.models.attention import sdpa, cu_seqlens_from_lengths
 
 

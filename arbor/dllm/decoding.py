@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from arbor.engine.diffusion_cache import BlockCacheAttention, SeqKVCache
+from arbor.dllm.cache import BlockCacheAttention, SeqKVCache
 from arbor.models.attention import BlockDiffusionAttention
 
 METHODS = ("editing", "threshold", "low_confidence")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import weakref
 
-from arbor.engine.kv_copy import Copier
-from arbor.engine.kv_tiers import DeviceTier, TieredBlockManager
-from arbor.engine.layerkv_runner import LayerKVRunner
-from arbor.engine.slo_admission import PrefillTimeModel
+from arbor.engine.kv.transfer import Copier
+from arbor.engine.kv.tiers import DeviceTier, TieredBlockManager
+from arbor.engine.policies.layerkv_runner import LayerKVRunner
+from arbor.engine.policies.slo_admission import PrefillTimeModel
 
 
 __all__ = ["LayerKV", "LayerKVRunner", "TieredBlockManager"]

@@ -1,4 +1,4 @@
-"""The CPU paged attention kernels, built by ``arbor.models.native`` with ``-O3 -march=native
+"""The CPU paged attention kernels, built by ``arbor.kernels.native`` with ``-O3 -march=native
 -ffast-math -fopenmp``: decode (``paged_decode.c``, one query per sequence) and prefill
 (``paged_prefill.c``, chunks of queries, causal; AVX-512 only). Where one cannot be built the
 engine keeps its PyTorch path for it (gather the blocks, then SDPA)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.models import native
+from arbor.kernels import native
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("paged_prefill.c")

@@ -8,7 +8,7 @@
                   rotate_half(y) = (−y[R/2:R], y[:R/2]); channels ≥ R pass.
    silu_mul:      y = bf16(bf16(silu(g)) · u),  silu(g) = g / (1 + e^−g)   (SwiGLU's product)
    Every product and sum rounds to bfloat16 where PyTorch's bfloat16 ops round. Loaded by
-   arbor/models/cpu_ops.py. */
+   arbor/kernels/cpu_ops.py. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

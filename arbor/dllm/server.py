@@ -33,13 +33,13 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import Response
 
-from arbor.engine import openai_protocol as oai
-from arbor.engine.diffusion import MODES, DecodeConfig, DiffusionDecoder, mode_config
-from arbor.engine.http_io import SSEResponse, first_or_disconnect
-from arbor.engine.openai_protocol import RequestError
+from arbor.serve import openai_protocol as oai
+from arbor.dllm.decoding import MODES, DecodeConfig, DiffusionDecoder, mode_config
+from arbor.serve.http_io import SSEResponse, first_or_disconnect
+from arbor.serve.openai_protocol import RequestError
 from arbor.engine.sequence import Completion
-from arbor.engine.server import OFF_LOOP_CHARS, _line, base_app
-from arbor.engine.server_config import ServerConfig
+from arbor.serve.server import OFF_LOOP_CHARS, _line, base_app
+from arbor.serve.config import ServerConfig
 from arbor.engine.threaded_engine import _EngineThread
 
 GEN_LENGTH = 32             # response positions when a request sets no max_tokens (arbor generate's default)
@@ -274,10 +274,10 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
 
 def serve_diffusion(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None,
                     model_name: str | None = None, server_config: ServerConfig | None = None) -> None:
-    """Serve the block-diffusion folder ``model_dir`` until SIGTERM / SIGINT (``arbor.engine.shutdown``);
+    """Serve the block-diffusion folder ``model_dir`` until SIGTERM / SIGINT (``arbor.serve.shutdown``);
     ``config``: the ``EngineConfig`` whose device, dtype and max_model_len apply."""
     from arbor.engine.config import EngineConfig
-    from arbor.engine.shutdown import run_server
+    from arbor.serve.shutdown import run_server
     from arbor.models import load_model
     from arbor.models.tokenizer import Tokenizer
     config, server_config = config or EngineConfig(), server_config or ServerConfig()

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from arbor.engine.openai_protocol import RequestError
+from arbor.serve.openai_protocol import RequestError
 from arbor.engine.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ class ServerConfig:
     max_queued_requests: int = 64
 
     def __post_init__(self):
-        from arbor.engine.diffusion import MODES
+        from arbor.dllm.decoding import MODES
         if self.diffusion_mode not in MODES:
             raise ValueError(f"server diffusion_mode must be one of {MODES}, got {self.diffusion_mode!r}")
         for name in ("max_n", "max_prompts", "max_request_tokens", "max_body_bytes", "max_queued_requests"):

@@ -1,5 +1,5 @@
 """Routed MoE experts in bfloat16 on CPU: the C kernel ``moe_experts.c`` (AVX-512 BF16), built by
-``arbor.models.native`` with ``-O3 -march=native -ffast-math -fopenmp``. Each token runs through its
+``arbor.kernels.native`` with ``-O3 -march=native -ffast-math -fopenmp``. Each token runs through its
 k experts only, in one call per layer; where the kernel cannot be built or the CPU lacks
 AVX-512 BF16, ``load_kernel()`` is None and the engine keeps its oneDNN path (cpu_linear)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.models import native
+from arbor.kernels import native
 
 SOURCE = Path(__file__).with_name("moe_experts.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -10,7 +10,7 @@ host tier of whole blocks, behind the ``BlockManager`` interface the scheduler a
   A sequence keeps layers ``0 .. r−1`` resident (``r = resident_layers(seq)``): per resident layer a
   block table of device blocks parallel to its host block table — the per-layer block tables.
   Layers ``r .. L−1`` live on the host only; a forward reads them through staging device blocks
-  (``arbor.engine.layerkv_runner``), two buffers (layer l and the prefetch of l + 1).
+  (``arbor.engine.policies.layerkv_runner``), two buffers (layer l and the prefetch of l + 1).
 
 Accounting invariant (checked by ``check``): every device block is exactly one of free, resident
 (in one table) or staging (during a forward), and

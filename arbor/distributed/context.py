@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from arbor.dist.allocator import tune_allocator
+from arbor.kernels.allocator import tune_allocator
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from arbor.models import native
+from arbor.kernels import native
 
 
 @cache

@@ -25,7 +25,7 @@ import time
 import torch
 
 from arbor.engine.model_runner import ModelRunner
-from arbor.engine.paged_attention import KVCache, PagedAttention
+from arbor.engine.kv.paged import KVCache, PagedAttention
 from arbor.models.attention import cu_seqlens_from_lengths
 
 

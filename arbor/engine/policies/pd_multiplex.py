@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from arbor.dist.turnstile import Turnstile
+from arbor.engine.policies.turnstile import Turnstile
 from arbor.engine.sequence import Sequence
 from arbor.models.expert_parallel import ep_phase, idle_segments
 

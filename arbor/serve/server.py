@@ -31,11 +31,11 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from arbor.engine import openai_protocol as oai
+from arbor.serve import openai_protocol as oai
 from arbor.engine.async_engine import AsyncLLMEngine
-from arbor.engine.http_io import BearerAuth, JSONOut, SSEResponse, error_response, first_or_disconnect, read_json
-from arbor.engine.openai_protocol import RequestError
-from arbor.engine.server_config import ServerConfig
+from arbor.serve.http_io import BearerAuth, JSONOut, SSEResponse, error_response, first_or_disconnect, read_json
+from arbor.serve.openai_protocol import RequestError
+from arbor.serve.config import ServerConfig
 
 OFF_LOOP_CHARS = 4096       # prompts at least this long are checked and tokenized on a worker thread
 
@@ -244,14 +244,14 @@ def _line(obj: dict) -> str:
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None, model_name: str | None = None,
           server_config: ServerConfig | None = None) -> None:
-    """Serve ``model_dir`` until SIGTERM / SIGINT (see ``arbor.engine.shutdown``); a block-diffusion
+    """Serve ``model_dir`` until SIGTERM / SIGINT (see ``arbor.serve.shutdown``); a block-diffusion
     model is served by ``diffusion_server`` (its diffusion decoder), any other by the engine."""
-    from arbor.engine.shutdown import run_server
+    from arbor.serve.shutdown import run_server
     from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
     from arbor.models import ModelConfig
     server_config = server_config or ServerConfig()
     if ModelConfig.from_file(model_dir).is_block_diffusion:
-        from arbor.engine.diffusion_server import serve_diffusion
+        from arbor.dllm.server import serve_diffusion
         return serve_diffusion(model_dir, host, port, config, model_name, server_config)
     engine = ThreadedAsyncLLMEngine(model_dir, config)
     app = build_app(engine, model_name or Path(model_dir).name, server_config)

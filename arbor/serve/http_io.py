@@ -22,7 +22,7 @@ import json
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from arbor.engine.openai_protocol import RequestError
+from arbor.serve.openai_protocol import RequestError
 
 BIG_BODY = 1 << 20      # bytes above which the body is parsed on a worker thread
 

@@ -13,7 +13,7 @@
    exp(m_old − m_new)); masked scores get probability exactly 0. Output Ot [D][16] (4 KB for D = 64)
    stays in L1, updated 8 dimensions at a time in registers.
    block_size must be a multiple of 16 (a group of 16 keys is contiguous in one cache block).
-   Built and loaded by arbor/engine/cpu_attention.py. */
+   Built and loaded by arbor/kernels/cpu_attention.py. */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>

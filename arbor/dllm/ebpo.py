@@ -185,7 +185,7 @@ def elbo_blocks_loop(model, prompts, responses, noise: Noise):
 def mean_field_logprobs(model, prompts, responses, noise: Noise):
     """d1's one-step estimate → (log p [S, Lmax], valid [S, Lmax]): the response all masked, the
     prompt masked by ``noise.prompt_masks``, one forward, block-causal mask."""
-    from arbor.train.diffusion import PaddedBlockAttention
+    from arbor.dllm.sft import PaddedBlockAttention
     dev, B, mask_id = model.device, model.config.block_size, model.config.mask_token_id
     ids, rows, targets, units, offset = [], [], [], [], 0
     Lmax = max(len(y) for y in responses)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from arbor.engine.diffusion import DecodeConfig, diffusion_generate
-from arbor.train.diffusion import Example, PaddedBlockAttention
+from arbor.dllm.decoding import DecodeConfig, diffusion_generate
+from arbor.dllm.sft import Example, PaddedBlockAttention
 from arbor.train.loop import settings_of, train_loop
 from arbor.train.optim import OptimConfig
 from arbor.train.run_log import LogConfig, RunLog
@@ -195,7 +195,7 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
 
 def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:
     """Correct reference-conditioned teacher trajectories on the training prompts of built-in tasks."""
-    from arbor.train.diffusion import TASKS, task_examples
+    from arbor.dllm.sft import TASKS, task_examples
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; built-in diffusion tasks: {sorted(TASKS)}")
@@ -236,7 +236,7 @@ class DistillRunConfig:
 
     def validate(self) -> None:
         from arbor.configs import check
-        from arbor.train.diffusion import TASKS
+        from arbor.dllm.sft import TASKS
         check(self, (bool(self.model), "model", "must name a block-diffusion checkpoint folder (model=DIR)"),
               (self.mode in ("quality", "speed", "both"), "mode", "must be quality, speed or both"),
               (self.per_task >= 1, "per_task", "must be ≥ 1"),
@@ -253,7 +253,7 @@ def distill_folder(cfg: DistillRunConfig, on_log=None) -> dict:
 
     from arbor.models import load_model, save_model
     from arbor.models.tokenizer import Tokenizer
-    from arbor.train.diffusion import TASKS
+    from arbor.dllm.sft import TASKS
     model_dir, out_dir, device = cfg.model, Path(cfg.out), cfg.device
     modes = ("quality", "speed") if cfg.mode == "both" else (cfg.mode,)
     tok = Tokenizer.load(model_dir)
