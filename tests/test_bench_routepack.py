@@ -10,7 +10,7 @@ import pytest
 
 from arbor.cli import main
 from arbor.plan.cost import nonneg_lstsq
-from arbor.train.plan_calibrate import ep_features, ep_slots
+from arbor.train.plan_calibrate_ep import ep_features, ep_slots
 
 TINY = ["--hidden", "64", "--experts", "4", "--moe-intermediate", "64", "--layers", "2", "--vocab", "256"]
 
@@ -74,7 +74,7 @@ def test_bad_flags_exit_2_before_any_work(tmp_path, capsys):
 
 
 def test_migration_targets_move_exactly_what_they_say():
-    from arbor.train.plan_calibrate import migration_points, migration_targets
+    from arbor.train.plan_calibrate_ep import migration_points, migration_targets
     points = migration_points(4, 16)
     assert points == [(1, 2), (1, 4), (1, 8), (1, 16), (4, 8), (4, 16), (4, 32), (4, 64)]
     for (layers, M), rank_of in zip(points, migration_targets(16, 4, 2, points)):

@@ -26,7 +26,6 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import zlib  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -34,8 +33,9 @@ import torch.nn.functional as F  # noqa: E402
 from arbor.bench.common import sync  # noqa: E402
 from arbor.bench.ep import MARK  # noqa: E402
 from arbor.distributed import DistConfig, init_distributed, shutdown  # noqa: E402
-from arbor.models import CausalLM, ModelConfig, VarlenAttention  # noqa: E402
-from arbor.models.expert_parallel import is_expert_param, shard_experts  # noqa: E402
+from arbor.models import VarlenAttention  # noqa: E402
+from arbor.models.expert_parallel import is_expert_param  # noqa: E402
+from arbor.models.random_init import random_moe_model as build_model  # noqa: E402
 from arbor.train.distributed import reduce_gradients  # noqa: E402
 
 
@@ -58,36 +58,6 @@ class CommTimer:
 
     def reset(self):
         self.seconds, self.calls, self.bytes = 0.0, 0, 0
-
-
-def _normal_(t: torch.Tensor, seed: int) -> None:
-    t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
-
-
-@torch.no_grad()
-def build_model(shape: dict, ctx, device) -> CausalLM:
-    """The model, sharded over the EP group when there is one; see the module docstring."""
-    cfg = ModelConfig(**shape)
-    init, torch.nn.init.normal_ = torch.nn.init.normal_, lambda t, *a, **k: t
-    try:        # every value is set below; a normal_ on meta tensors imports torch._dynamo (~2 s a process)
-        with torch.device("meta"):
-            model = CausalLM(cfg)
-    finally:
-        torch.nn.init.normal_ = init
-    shard_experts(model, ctx)
-    model.to_empty(device=device)
-    experts = {name: m.expert_ids if hasattr(m, "expert_ids") else list(range(m.num_experts))
-               for name, m in model.named_modules() if type(m).__name__ == "Experts"}
-    for name, p in model.named_parameters():
-        seed = zlib.crc32(name.encode())
-        if name.endswith("norm.weight"):
-            p.fill_(0.0 if cfg.is_next else 1.0)
-        elif is_expert_param(name):
-            for slot, e in enumerate(experts[name.rsplit(".", 1)[0]]):
-                _normal_(p[slot], seed * 1000 + e)
-        else:
-            _normal_(p, seed)
-    return model
 
 
 def param_bytes(model, expert: bool) -> int:

@@ -53,7 +53,7 @@ def record_traces(shape: dict, windows: int, samples: int, seed: int, max_len: i
     """Rollouts of the bench model (one process) → per window, each sample's expert ids [Lm, n, k]."""
     import torch
 
-    from arbor.bench.ep_worker import build_model
+    from arbor.models.random_init import random_moe_model as build_model
     from arbor.distributed import DistContext
     from arbor.engine import EngineConfig, LLMEngine, SamplingParams
     from arbor.models import VarlenAttention
@@ -149,14 +149,14 @@ def run_measured(kind: str, steps, shape: dict, plans: dict, repeats: int, warmu
                  window_steps: int) -> dict:
     from arbor.distributed.launch import launch
     from arbor.bench.routepack_worker import MARK
+    from arbor.plan.traces import save_traces
     samples = [x for step in steps for x in step]
-    offsets = np.cumsum([0] + [x.shape[1] for x in samples])
     step_ids, k = [], 0
     for step in steps:
         step_ids.append(list(range(k, k + len(step))))
         k += len(step)
     with tempfile.TemporaryDirectory() as tmp:
-        np.savez(Path(tmp) / "traces.npz", ids=np.concatenate(samples, 1), offsets=offsets)
+        save_traces(Path(tmp) / "traces.npz", samples)
         spec = {"shape": shape, "traces": str(Path(tmp) / "traces.npz"), "methods": METHODS, "repeats": repeats,
                 "warmup": warmup, "timeout_s": min(300.0, timeout_s),
                 "steps": [{"samples": ids} for ids in step_ids],
@@ -214,16 +214,17 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
     else:
         import torch
 
-        from arbor.bench.ep_worker import build_model
+        from arbor.models.random_init import random_moe_model as build_model
         from arbor.distributed import DistContext
-        from arbor.train.plan_calibrate import calibrate, calibrate_ep, calibrate_migration, with_ep_fit, with_migration
+        from arbor.train.plan_calibrate import calibrate
+        from arbor.train.plan_calibrate_ep import calibrate_ep, calibrate_migration, with_ep_fit, with_migration
         print("calibrating the cost model on this machine (as `arbor plan calibrate --ep`: 2 EP ranks) ...", flush=True)
         cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
         cost = with_ep_fit(cost, calibrate_ep(shape, repeats=3, timeout_s=timeout_s, max_tokens=cap))
         cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
         cost.save(Path(out_dir) / "routepack_cost.json")
     if measure and cost.move_s is None and (move_s is None or move_layer_s is None):
-        from arbor.train.plan_calibrate import calibrate_migration, with_migration
+        from arbor.train.plan_calibrate_ep import calibrate_migration, with_migration
         print("the cost file has no migration measurement: measuring it on 2 ranks ...", flush=True)
         cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
     move_s = cost.move_s if move_s is None else move_s

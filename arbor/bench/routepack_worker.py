@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from arbor.bench.ep_worker import build_model  # noqa: E402
+from arbor.plan.traces import load_traces  # noqa: E402
 from arbor.distributed import DistConfig, init_distributed, shutdown  # noqa: E402
 from arbor.models import VarlenAttention  # noqa: E402
 from arbor.models.expert_migration import migrate_experts, placements_of  # noqa: E402
@@ -39,12 +40,6 @@ from arbor.models.expert_parallel import ExpertPlacement, idle_forward  # noqa: 
 from arbor.train.distributed import reduce_gradients  # noqa: E402
 
 MARK = "ROUTEPACK_RESULT "
-
-
-def load_traces(path: str) -> list[np.ndarray]:
-    data = np.load(path)
-    ids, offsets = data["ids"], data["offsets"]          # ids [Lm, Σn, k], offsets [N + 1]
-    return [ids[:, offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
 def placements(raw: list[dict], ep: int) -> dict[int, ExpertPlacement]:

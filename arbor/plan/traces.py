@@ -41,3 +41,16 @@ def synthetic(n: int, num_experts: int, moe_layers: int, top_k: int, seed: int =
             ids[l] = np.argsort(-g, axis=1)[:, :top_k]
         out.append(ids)
     return out, popularity
+
+
+def save_traces(path, traces: list[np.ndarray]) -> None:
+    """Write per-sample expert ids (each [moe_layers, n_i, k]) as one ``.npz``: ids [Lm, Σn, k], offsets [N + 1]."""
+    offsets = np.cumsum([0] + [t.shape[1] for t in traces])
+    np.savez(path, ids=np.concatenate(traces, 1), offsets=offsets)
+
+
+def load_traces(path) -> list[np.ndarray]:
+    """The per-sample expert ids written by ``save_traces``."""
+    data = np.load(path)
+    ids, offsets = data["ids"], data["offsets"]          # ids [Lm, Σn, k], offsets [N + 1]
+    return [ids[:, offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
