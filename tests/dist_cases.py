@@ -14,7 +14,8 @@ import torch
 
 from arbor.distributed import DistConfig, init_distributed
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
-from arbor.models.expert_parallel import gather_hf_tensors, idle_forward, shard_experts
+from arbor.models.checkpoint import gather_hf_tensors
+from arbor.models.expert_parallel import idle_forward, shard_experts
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)

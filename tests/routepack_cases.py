@@ -14,7 +14,8 @@ import torch
 from arbor.distributed import DistConfig, init_distributed
 from arbor.models import CausalLM
 from arbor.models.expert_migration import migrate_experts, placements_of
-from arbor.models.expert_parallel import ExpertPlacement, gather_hf_tensors, shard_experts
+from arbor.models.checkpoint import gather_hf_tensors
+from arbor.models.expert_parallel import ExpertPlacement, shard_experts
 from arbor.train.optim import OptimConfig, make_optimizer, optimizer_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,7 +89,7 @@ def case_migrate(ctx, out: Path):
     print("migration: outputs, weights and moments bit-identical", flush=True)
 
     # a checkpoint of the migrated model resumes into a freshly (contiguously) sharded one
-    from arbor.train.loop import load_state, save_state
+    from arbor.train.checkpoint import load_state, save_state
     save_state(out / "ckpt", b, opt_b, {"settings": {}}, ctx=ctx)
     c = copy.deepcopy(ref)
     shard_experts(c, ctx)

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from arbor.models.causal_lm import CausalLM
 from arbor.models.config import ModelConfig
+from arbor.models.expert_parallel import is_expert_param, shard_experts
 
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -157,7 +158,6 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
     with torch.device("meta"):
         model = CausalLM(cfg)
     if ctx is not None and ctx.ep_size > 1:
-        from arbor.models.expert_parallel import shard_experts
         shard_experts(model, ctx)
     state = from_hf_tensors(read_tensors(folder, device, own_tensor_filter(model)), model)
     model.load_state_dict(state, strict=True, assign=True)
@@ -206,3 +206,15 @@ def save_model(model: CausalLM, path: str | Path, tokenizer=None, max_shard_byte
     if tokenizer is not None:
         tokenizer.save(folder)
     return folder
+
+
+def gather_hf_tensors(model, ctx) -> dict[str, torch.Tensor]:
+    """The whole model's HF-named tensors (every expert of every EP rank), on every rank: what
+    ``save_model`` writes as one ordinary folder. Collective: every rank must call it."""
+    tensors = {k: v.detach().cpu() for k, v in to_hf_tensors(model).items()}
+    if ctx.ep_size <= 1:
+        return tensors
+    experts = {k: v for k, v in tensors.items() if is_expert_param(k)}
+    for part in ctx.all_gather_object(experts if ctx.rank < ctx.ep_size else {}, "gather experts for save"):
+        tensors.update(part)
+    return tensors

@@ -204,16 +204,3 @@ def idle_segments(model, layers_per_segment: int):
         if (i + 1) % layers_per_segment == 0 and i + 1 < len(layers):
             yield i + 1, None
     yield len(layers), x
-
-
-def gather_hf_tensors(model, ctx) -> dict[str, torch.Tensor]:
-    """The whole model's HF-named tensors (every expert of every EP rank), on every rank: what
-    ``save_model`` writes as one ordinary folder. Collective: every rank must call it."""
-    from arbor.models.checkpoint import to_hf_tensors
-    tensors = {k: v.detach().cpu() for k, v in to_hf_tensors(model).items()}
-    if ctx.ep_size <= 1:
-        return tensors
-    experts = {k: v for k, v in tensors.items() if is_expert_param(k)}
-    for part in ctx.all_gather_object(experts if ctx.rank < ctx.ep_size else {}, "gather experts for save"):
-        tensors.update(part)
-    return tensors
