@@ -3,10 +3,9 @@
 glibc by default returns every freed block of M_MMAP_THRESHOLD or more (128 KiB, adapting up to
 32 MiB) to the kernel, and trims the heap's top above M_TRIM_THRESHOLD (128 KiB). A training step
 frees and re-allocates the same activations and gradients, so each step faults those pages in
-again and the kernel zeroes every one: a 1,914-token forward + backward of the bench ep model (one
-thread) takes ~40,000 minor faults a step, and two ranks faulting at once contend for the kernel's
-page allocator — the slowdown of a slot where both ranks work, which RoutePack's balanced slots
-create (README, `arbor bench routepack`).
+again and the kernel zeroes every one (tens of thousands of minor faults per step at the bench ep
+shape), and two ranks faulting at once contend for the kernel's page allocator: the slowdown of a
+slot where both ranks work, which RoutePack's balanced slots create (docs/routepack.md).
 
 ``tune_allocator()`` sets M_MMAP_THRESHOLD = 32 MiB (glibc's largest), M_TOP_PAD = 256 MiB and
 M_TRIM_THRESHOLD = 0: blocks under 32 MiB come from the heap and return to it, and a trim (glibc

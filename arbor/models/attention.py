@@ -29,8 +29,8 @@ from arbor.models.layers import RMSNorm, apply_rope, rms_norm
 
 def sdpa(q, k, v, scale, mask=None, causal=False):
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups), in q's dtype.
-    On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU flash kernel is ~4×
-    slower in reduced precision for one-query decode, and float32 only rounds once, at the output."""
+    On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU flash kernel has no fast
+    reduced-precision path for one-query decode, and float32 only rounds once, at the output."""
     dtype = q.dtype
     if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()

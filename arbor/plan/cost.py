@@ -21,7 +21,7 @@ ranks by ``arbor plan calibrate``; ``move_s`` None when never measured).
 A step over S slots then costs max_g Σ_s cost_g(s) (ranks of different EP groups meet only at the
 gradient all-reduce). The coefficients are fitted by ``arbor plan calibrate`` from measured step
 times (least squares, non-negative) and stored as JSON; ``CostModel.load`` reads it, falling back to
-``DEFAULT`` (fitted on the bench ep shape on a 2-core EPYC, one thread) when there is none. The
+``DEFAULT`` (a fit of the bench ep shape at one thread) when there is none. The
 window normalisation the planner needs is implicit: every term is in seconds of the same machine.
 """
 

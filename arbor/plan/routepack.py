@@ -254,8 +254,7 @@ def plan_window(steps: list[list[Sample]], ep_size: int, dp_size: int, token_cap
        expert away from its current rank and ``move_layer_s`` per layer with any: what migrating
        costs, ``migration_cost``); then every step's layout of 2 is
        re-scored under the refined placement and annealed from there (rows reused; ``warm_config``:
-       the colder half of the temperatures; ~3/4 of a second full pass's time and, on the bench's
-       synthetic windows, no worse layouts); the refined plans are kept only when the window's
+       the colder half of the temperatures); the refined plans are kept only when the window's
        modeled time (``window_cost``: Σ of the steps' energies + ``migration_cost``) is lower, so
        refining never makes a window worse.
     → one Plan per step, all with the same placements."""
