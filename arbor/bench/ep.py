@@ -31,18 +31,10 @@ import time
 
 from arbor.bench.common import add_moe_shape_arguments, median, print_table, write_result
 from arbor.distributed.launch import launch
+from arbor.models.presets import moe_shape as model_shape
 
 MIB = 1 << 20
 MARK = "EP_RESULT "     # a rank's result line: MARK + json
-
-
-def model_shape(hidden=512, experts=16, top_k=2, moe_intermediate=512, layers=4, vocab=2048) -> dict:
-    heads = max(2, hidden // 64)
-    return dict(architecture="Qwen3MoeForCausalLM", vocab_size=vocab, hidden_size=hidden,
-                intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=heads // 2, head_dim=hidden // heads, max_position_embeddings=4096,
-                num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
-                norm_topk_prob=True)
 
 
 def cpu_seconds() -> tuple[float, float] | None:

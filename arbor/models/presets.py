@@ -26,3 +26,14 @@ def preset_config(name: str, tokenizer) -> ModelConfig:
     vocab = -(-tokenizer.vocab_size // 64) * 64
     return ModelConfig(**PRESETS[name], vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id)
+
+
+def moe_shape(hidden=512, experts=16, top_k=2, moe_intermediate=512, layers=4, vocab=2048) -> dict:
+    """``ModelConfig`` fields of a Qwen3-MoE of this size (the bench ep / routepack / plan calibrate shape):
+    64-wide heads, half as many KV heads, a dense MLP of 2·hidden."""
+    heads = max(2, hidden // 64)
+    return dict(architecture="Qwen3MoeForCausalLM", vocab_size=vocab, hidden_size=hidden,
+                intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=heads // 2, head_dim=hidden // heads, max_position_embeddings=4096,
+                num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
+                norm_topk_prob=True)
