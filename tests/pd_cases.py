@@ -174,7 +174,7 @@ def case_engine(*policies):
             step += 1
         got = [engine.pop_finished(r)[0].token_ids for r in ids]
         want = [c.token_ids for c in LLMEngine(ref, EngineConfig(**cfg)).generate(prompts, params)]
-        turnstile = engine.multiplexer.turnstile
+        turnstile = engine.policy.turnstile
         print(f"{policy}: {len(prompts)} requests in {step} steps, {turnstile.boundaries} boundaries, "
               f"{turnstile.decode_steps} decode steps at boundaries, equal {got == want}", flush=True)
         if got != want:

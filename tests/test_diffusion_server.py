@@ -180,7 +180,7 @@ def test_a_client_timeout_frees_the_slot_and_an_abort_ends_streams(server):
 def test_arbor_serve_serves_a_block_diffusion_folder(folder):
     port = free_port()
     cmd = [sys.executable, "-m", "arbor.cli", "serve", str(folder), "--port", str(port), "--served-model-name", "tiny",
-           "--mode", "threshold", "--shutdown-grace", "0"]
+           "server.diffusion_mode=threshold", "server.shutdown_grace_s=0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

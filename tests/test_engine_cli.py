@@ -1,5 +1,6 @@
 """``arbor generate`` (autoregressive checkpoints) and the ``arbor serve`` parser."""
 
+import pytest
 import torch
 
 from arbor.cli import build_parser, main
@@ -24,19 +25,44 @@ def test_generate_prints_the_engine_completion(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "m"), "Hi", "--max-tokens", "5", "Ho"]) == 0   # prompts around options
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Hi" + ref.text + "\t[") and out[1].startswith("Ho")
+    assert main(["generate", str(tmp_path / "m"), "engine.max_model_len=64", "Hi", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("Hi" + ref.text + "\t[")       # engine.KEY=VALUE words are not prompts
+    assert main(["generate", str(tmp_path / "m"), "engine.policy=fastest", "Hi"]) == 2
+    assert "pd-global-enqueue" in capsys.readouterr().err
+
+
+def serve_config(argv):
+    """The ``ServeConfig`` an ``arbor serve`` command line gives (what ``_run_serve`` loads)."""
+    from arbor.cli.common import flag_words as _flag_words
+    from arbor.cli.serving import SERVE_FLAGS
+    from arbor.serve.config import load_serve_config
+    args, extra = build_parser().parse_known_args(argv)
+    words = args.overrides + extra
+    return load_serve_config(args.model, None, [*words, *_flag_words(args, SERVE_FLAGS)])
 
 
 def test_serve_parser():
-    args = build_parser().parse_args(["serve", "some/folder", "--port", "9001", "--policy", "prefill-first"])
-    assert args.port == 9001 and args.policy == "prefill-first" and args.model == "some/folder"
+    cfg = serve_config(["serve", "some/folder", "--port", "9001", "--policy", "prefill-first"])
+    assert cfg.port == 9001 and cfg.engine.policy == "prefill-first" and cfg.host == "127.0.0.1"
+    cfg = serve_config(["serve", "m", "port=9002", "--policy", "mixed", "engine.max_model_len=128", "server.max_n=4"])
+    assert (cfg.port, cfg.engine.policy, cfg.engine.max_model_len, cfg.server.max_n) == (9002, "mixed", 128, 4)
+    assert serve_config(["serve", "m", "engine.policy=layerkv", "--policy", "mixed"]).engine.policy == "mixed"
 
 
-def test_serve_takes_the_layerkv_knobs_and_checks_them(capsys):
-    from arbor.cli import main
-    args = build_parser().parse_args(["serve", "m", "--layer-kv", "--device-kv-blocks", "64", "--policy", "layerkv",
-                                      "--tpot-slo", "0.05", "--ttft-slo", "2"])
-    assert args.layer_kv and args.device_kv_blocks == 64 and args.tpot_slo == 0.05 and args.ttft_slo == 2.0
-    assert main(["serve", "no/such/folder", "--policy", "layerkv", "--tpot-slo", "0.05"]) not in (0, None)
+def test_serve_takes_every_engine_key_and_checks_them_once(capsys, tmp_path):
+    cfg = serve_config(["serve", "m", "engine.layer_kv=true", "engine.device_kv_blocks=64", "--policy", "layerkv",
+                        "engine.tpot_slo=0.05", "engine.ttft_slo=2"])
+    assert cfg.engine.layer_kv and cfg.engine.device_kv_blocks == 64 and cfg.engine.tpot_slo == 0.05
+    assert cfg.engine.ttft_slo == 2.0
+    assert main(["serve", "no/such/folder", "--policy", "layerkv", "engine.tpot_slo=0.05"]) == 2
+    assert "needs layer_kv=True" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                                    # the registry's names are the choices
+        main(["serve", "m", "--policy", "fastest"])
+    assert "pd-global-enqueue" in capsys.readouterr().err
+    assert main(["serve", "m", "engine.no_such_knob=1"]) == 2
+    assert "unknown key 'engine.no_such_knob'" in capsys.readouterr().err
+    (tmp_path / "serve.toml").write_text("port = 9100\n[engine]\nmax_num_seqs = 8\n")
+    assert main(["serve", "no/such/folder", str(tmp_path / "serve.toml"), "engine.policy=layerkv"]) == 2
     assert "needs layer_kv=True" in capsys.readouterr().err
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
-from arbor.engine.scheduler import POLICIES
+from arbor.engine.policies import POLICIES
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
 
 

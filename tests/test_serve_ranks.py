@@ -23,7 +23,7 @@ from arbor.models.tokenizer import builtin_tokenizer
 from tests.conftest import MOE, TINY
 from tests.float64_ref import assert_within_engine_noise, exact_logprobs
 
-LIMITS = ["--max-model-len", "128", "--max-num-seqs", "16"]
+LIMITS = ["engine.max_model_len=128", "engine.max_num_seqs=16"]
 PROMPTS = ["Hi there", "abc", [5, 17, 33, 2], "2+2=", [40, 41, 42, 43, 44, 45], "The end"]
 
 
@@ -74,7 +74,7 @@ def test_serve_over_two_ranks_matches_one_engine_and_shuts_down(moe_folder, one_
     log = open(moe_folder.parent / "server.log", "w+")
     cmd = [sys.executable, "-m", "arbor.cli", "serve", str(moe_folder), "--ranks", "2", "--port", str(port), *LIMITS,
            "--policy", "pd-multiplex",        # several tokens per step reach the front in one round
-           "--enable-weight-updates"]         # so that the update reaches the refusal of --ranks
+           "server.enable_weight_updates=true"]   # so that the update reaches the refusal of --ranks
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     kids = []
     try:

@@ -110,11 +110,15 @@ def test_api_key_guards_every_route(folder):
 
 
 def test_cli_binds_localhost_and_reads_the_key_from_the_environment(monkeypatch, tmp_path):
+    from arbor.serve.config import load_serve_config
     monkeypatch.delenv("ARBOR_API_KEY", raising=False)
-    a = build_parser().parse_args(["serve", str(tmp_path)])
-    assert a.host == "127.0.0.1" and a.api_key is None and not a.enable_weight_updates
+    cfg = load_serve_config(str(tmp_path))
+    assert cfg.host == "127.0.0.1" and cfg.server.api_key is None and not cfg.server.enable_weight_updates
     monkeypatch.setenv("ARBOR_API_KEY", "from-env")
-    assert build_parser().parse_args(["serve", str(tmp_path)]).api_key == "from-env"
+    assert load_serve_config(str(tmp_path)).server.api_key == "from-env"
+    assert load_serve_config(str(tmp_path), None, ['server.api_key="given"']).server.api_key == "given"
+    a = build_parser().parse_args(["serve", str(tmp_path), "--api-key", "flag"])
+    assert a.api_key == "flag"
 
 
 def test_server_config_is_checked():

@@ -20,8 +20,8 @@ STREAM = {"model": "tiny", "prompt": "hi", "max_tokens": 4000, "ignore_eos": Tru
 
 def start(folder, grace: float, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "arbor.cli", "serve", str(folder), "--port", str(port), "--max-model-len", "4096",
-           "--served-model-name", "tiny", "--shutdown-grace", str(grace)]
+    cmd = [sys.executable, "-m", "arbor.cli", "serve", str(folder), "--port", str(port), "engine.max_model_len=4096",
+           "--served-model-name", "tiny", f"server.shutdown_grace_s={grace}"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, f"http://127.0.0.1:{port}"
 

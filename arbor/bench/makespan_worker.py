@@ -98,7 +98,7 @@ def drive(engine, trajs: list[dict], ctx) -> dict:
             "decode_tokens": sum(len(o) - 1 for out in outputs for o in out),
             "generated_tokens": sum(len(o) for out in outputs for o in out),
             "outputs_crc": zlib.crc32(json.dumps(outputs).encode()),
-            "boundary_decode_steps": engine.multiplexer.turnstile.decode_steps if engine.multiplexer else 0,
+            "boundary_decode_steps": engine.stats().get("boundary_decode_steps", 0),
             "timeline": [(p, a - t0, b - t0, n) for p, a, b, n in engine.timeline]}
 
 

@@ -1,6 +1,7 @@
-"""``arbor serve`` for a block-diffusion model (dLLM): the OpenAI routes over the diffusion decoder.
+"""``arbor serve`` for a block-diffusion model (dLLM): ``DiffusionBackend``, the OpenAI routes over the
+diffusion decoder, a backend of the one server (``arbor.serve.app``).
 
-The app is ``server.base_app``'s (API key, ``/health``, ``/v1/models``, the OpenAI error body, 503
+The app is ``make_app``'s (API key, ``/health``, ``/v1/models``, the OpenAI error body, 503
 while draining) plus ``POST /v1/completions`` and ``POST /v1/chat/completions``. A request is decoded
 by ``DiffusionDecoder`` in the mode it names — ``"mode"``: ``quality`` | ``speed`` | ``threshold``
 (``diffusion.mode_config``, at the model's block size), default ``ServerConfig.diffusion_mode`` —
@@ -30,17 +31,17 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from arbor.serve import openai_protocol as oai
 from arbor.dllm.decoding import MODES, DecodeConfig, DiffusionDecoder, mode_config
+from arbor.engine.sequence import Completion
+from arbor.engine.threaded_engine import EngineThread
+from arbor.serve import openai_protocol as oai
+from arbor.serve.app import OFF_LOOP_CHARS, ReadBody, draining_error, make_app, sse_line
+from arbor.serve.config import ServerConfig
 from arbor.serve.http_io import SSEResponse, first_or_disconnect
 from arbor.serve.openai_protocol import RequestError
-from arbor.engine.sequence import Completion
-from arbor.serve.server import OFF_LOOP_CHARS, _line, base_app
-from arbor.serve.config import ServerConfig
-from arbor.engine.threaded_engine import _EngineThread
 
 GEN_LENGTH = 32             # response positions when a request sets no max_tokens (arbor generate's default)
 _END = object()
@@ -81,7 +82,7 @@ class DiffusionWorker:
     def __init__(self, model, max_queued: int):
         self.model, self.max_queued = model, max_queued
         self.jobs: set[Job] = set()
-        self._thread = _EngineThread()
+        self._thread = EngineThread()
 
     def submit(self, prompts: list[list[int]], cfg: DecodeConfig, stop_ids: list[int]) -> Job:
         if len(self.jobs) >= self.max_queued:
@@ -167,17 +168,58 @@ def check_prompt(ids: list[int], gen_length: int, config, context: int) -> list[
     return ids
 
 
+class DiffusionBackend:
+    """The block-diffusion ``Backend`` (``arbor.serve.app``): ``model`` decoded by one
+    ``DiffusionWorker``; ``context``: the longest prompt + response (default and cap: the model's
+    ``max_position_embeddings``). ``config`` gives the default mode and the queue bound."""
+
+    def __init__(self, model, tokenizer, config: ServerConfig | None = None, context: int | None = None):
+        cfg, mc = config or ServerConfig(), model.config
+        if cfg.diffusion_mode not in MODES:
+            raise ValueError(f"server diffusion_mode must be one of {MODES}, got {cfg.diffusion_mode!r}")
+        self.model, self.tokenizer, self.default_mode = model, tokenizer, cfg.diffusion_mode
+        self.max_model_len = min(context or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.worker = DiffusionWorker(model, cfg.max_queued_requests)
+
+    def card(self) -> dict:
+        return {"block_size": self.model.config.block_size, "modes": list(MODES), "default_mode": self.default_mode}
+
+    def install(self, app: FastAPI, read_body: ReadBody, model_name: str, config: ServerConfig) -> None:
+        app.state.worker = self.worker
+        diffusion_routes(self, app, read_body, model_name, config)
+
+    def abort_all(self) -> None:
+        self.worker.abort_all()
+
+    def num_requests(self) -> int:
+        return self.worker.num_requests()
+
+
 def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig | None = None,
-                        context: int | None = None):
-    """The FastAPI app serving a block-diffusion ``model``; ``app.state.worker`` is its ``DiffusionWorker``
-    (``abort_all`` / ``num_requests`` for shutdown). ``context``: the longest prompt + response
-    (default: the model's ``max_position_embeddings``)."""
-    cfg, mc, tok = config or ServerConfig(), model.config, tokenizer
-    context = min(context or mc.max_position_embeddings, mc.max_position_embeddings)
-    card = {"id": model_name, "object": "model", "owned_by": "arbor", "max_model_len": context,
-            "block_size": mc.block_size, "modes": list(MODES), "default_mode": cfg.diffusion_mode}
-    app, read_body = base_app(model_name, card, cfg)
-    app.state.worker = worker = DiffusionWorker(model, cfg.max_queued_requests)
+                        context: int | None = None) -> FastAPI:
+    """The FastAPI app serving a block-diffusion ``model`` (``make_app`` over its ``DiffusionBackend``);
+    ``app.state.worker`` is the backend's ``DiffusionWorker``."""
+    return make_app(DiffusionBackend(model, tokenizer, config, context), model_name, config)
+
+
+def diffusion_backend(model_dir: str, config=None, server_config: ServerConfig | None = None) -> DiffusionBackend:
+    """The backend of the block-diffusion folder ``model_dir``; ``config``: the ``EngineConfig`` whose
+    device, dtype and max_model_len apply."""
+    from arbor.engine.config import EngineConfig
+    from arbor.models import load_model
+    from arbor.models.tokenizer import Tokenizer
+    config = config or EngineConfig()
+    config.validate()
+    config.check_device()
+    model = load_model(model_dir, dtype=config.torch_dtype, device=config.device).eval()
+    tok = Tokenizer.load(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
+    return DiffusionBackend(model, tok, server_config, config.max_model_len)
+
+
+def diffusion_routes(b: DiffusionBackend, app: FastAPI, read_body: ReadBody, model_name: str,
+                     cfg: ServerConfig) -> None:
+    """``DiffusionBackend.install``: the completion routes over ``b``'s decoder."""
+    mc, tok, context, worker = b.model.config, b.tokenizer, b.max_model_len, b.worker
 
     def prompt_ids(prompts: list, gen_length: int, what: str) -> list[list[int]]:
         out = []
@@ -201,7 +243,7 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
 
     async def handle(request: Request, chat: bool):
         body = await read_body(request)
-        dcfg, params, stream, include_usage = decode_params(body, chat, cfg.diffusion_mode)
+        dcfg, params, stream, include_usage = decode_params(body, chat, b.default_mode)
         if chat:
             if tok is None:
                 raise RequestError("chat needs a tokenizer; this model folder has none", "messages")
@@ -217,7 +259,7 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
             raise RequestError(f"'stop_token_ids' must be in [0, {mc.vocab_size})", "stop_token_ids")
         ids = await asyncio.to_thread(work) if size >= OFF_LOOP_CHARS else work()
         if app.state.draining:
-            raise RequestError("the server is shutting down", None, "shutting_down", 503)
+            raise draining_error()
         stop_ids = ([] if params.ignore_eos else mc.stop_token_ids) + list(params.stop_token_ids)
         job = worker.submit([p for p in ids for _ in range(params.n)], dcfg, stop_ids)
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
@@ -247,7 +289,7 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
         return oai.response(rid, model_name, chat, choices, {**usage, "total_tokens": sum(usage.values())})
 
     async def sse(job, count, rid, chat, usage, include_usage):
-        line = (lambda obj: _line({**obj, "usage": None})) if include_usage else _line
+        line = (lambda obj: sse_line({**obj, "usage": None})) if include_usage else sse_line
         sent_ids, sent_text = {}, {}
         async for i, tokens, finish in choice_events(job, count):
             text = text_of(tokens) or ""
@@ -258,7 +300,7 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
             if finish is not None:
                 usage["completion_tokens"] += len(tokens)
         if include_usage:
-            yield _line(oai.usage_chunk(rid, model_name, chat, {**usage, "total_tokens": sum(usage.values())}))
+            yield sse_line(oai.usage_chunk(rid, model_name, chat, {**usage, "total_tokens": sum(usage.values())}))
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -268,22 +310,3 @@ def build_diffusion_app(model, tokenizer, model_name: str, config: ServerConfig 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
-
-    return app
-
-
-def serve_diffusion(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None,
-                    model_name: str | None = None, server_config: ServerConfig | None = None) -> None:
-    """Serve the block-diffusion folder ``model_dir`` until SIGTERM / SIGINT (``arbor.serve.shutdown``);
-    ``config``: the ``EngineConfig`` whose device, dtype and max_model_len apply."""
-    from arbor.engine.config import EngineConfig
-    from arbor.serve.shutdown import run_server
-    from arbor.models import load_model
-    from arbor.models.tokenizer import Tokenizer
-    config, server_config = config or EngineConfig(), server_config or ServerConfig()
-    config.validate()
-    config.check_device()
-    model = load_model(model_dir, dtype=config.torch_dtype, device=config.device).eval()
-    tok = Tokenizer.load(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
-    app = build_diffusion_app(model, tok, model_name or Path(model_dir).name, server_config, config.max_model_len)
-    run_server(app, app.state.worker, host, port, server_config.shutdown_grace_s)

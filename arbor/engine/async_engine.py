@@ -1,4 +1,5 @@
-"""``AsyncLLMEngine``: many coroutines stream from one engine loop.
+"""``AsyncLLMEngine``: many coroutines stream from one engine loop — the ``EngineClient``
+(``arbor.engine.client``) over a ``SteppedEngine`` (an ``LLMEngine``, or ``rank_front.RankFront``).
 
 The loop is an asyncio task on the caller's event loop: it runs ``LLMEngine.step()`` while
 work is queued (each step is synchronous, so weight updates and aborts always land between
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from arbor.engine.client import SteppedEngine
 from arbor.engine.config import EngineConfig
 from arbor.engine.llm_engine import LLMEngine
 from arbor.engine.sampling_params import SamplingParams
@@ -27,9 +29,9 @@ from arbor.engine.sequence import Completion
 
 class AsyncLLMEngine:
     def __init__(self, model_or_path, config: EngineConfig | None = None, tokenizer=None, ctx=None):
-        """``model_or_path`` may also be a built engine (``LLMEngine``, or an object with its request and
-        step interface such as ``rank_front.RankFront``), which is then streamed from as is."""
-        if hasattr(model_or_path, "add_request") and hasattr(model_or_path, "step"):
+        """``model_or_path`` may also be a built ``SteppedEngine`` (an ``LLMEngine``, or
+        ``rank_front.RankFront``), which is then streamed from as is."""
+        if isinstance(model_or_path, SteppedEngine):
             self.engine = model_or_path
         else:
             self.engine = LLMEngine(model_or_path, config, tokenizer, ctx)
@@ -59,8 +61,16 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def model(self):
+        return self.engine.model
+
+    @property
     def model_config(self):
         return self.engine.model.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -176,10 +186,18 @@ class AsyncLLMEngine:
     def update_weights(self, named_tensors) -> float:
         return self.engine.update_weights(named_tensors)
 
+    def stats(self) -> dict:
+        """The engine's ``stats()`` plus the streams open here and whether stepping is paused."""
+        return {**self.engine.stats(), "streams": len(self.queues), "paused": self._paused}
+
     async def run_between_steps(self, fn):
         """``fn()`` between two engine steps → its result (here: at once, on the loop, which steps
         only between its awaits)."""
         return fn()
+
+    async def update_weights_between_steps(self, named_tensors) -> float:
+        """``update_weights`` between two engine steps, awaited (the loop keeps serving) → seconds."""
+        return await self.run_between_steps(lambda: self.engine.update_weights(named_tensors))
 
     def pause(self) -> None:
         """Stop stepping after the current step (requests stay queued)."""

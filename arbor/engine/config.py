@@ -9,6 +9,7 @@ import torch
 from arbor.models.config import torch_dtypes
 
 DTYPES = torch_dtypes()
+NOISE_DISTS = ("normal", "cauchy")
 
 
 @dataclass
@@ -18,13 +19,14 @@ class EngineConfig:
     tokens need. ``max_model_len`` is clipped to the pool, so one sequence always fits.
     ``logit_noise`` adds noise of scale σ (``logit_noise_dist``: normal N(0, σ²), or heavy-tailed
     cauchy) to the logits of a ``logit_noise_frac`` fraction of sampled positions, before sampling
-    and log-probs (to simulate an
-    engine whose numerics differ from the trainer's). ``state_snapshots``: recurrent-state snapshots
-    kept at block boundaries so that prefix caching also serves models with linear-attention layers
-    (each holds every linear layer's state; 0 turns prefix caching off for such models).
-    ``policy``: ``mixed`` | ``prefill-first`` | ``pd-multiplex`` | ``pd-global-enqueue`` (``scheduler``);
-    ``pd_segment_layers``: layers per prefill segment under ``pd-multiplex`` — a decode step may run
-    at every segment boundary (a segment's tokens: the prefill epoch, ≤ ``max_num_batched_tokens``).
+    and log-probs (to simulate an engine whose numerics differ from the trainer's).
+    ``state_snapshots``: recurrent-state snapshots kept at block boundaries so that prefix caching
+    also serves models with linear-attention layers (each holds every linear layer's state; 0 turns
+    prefix caching off for such models).
+    ``policy``: a name of ``arbor.engine.policies.POLICIES``; each policy refuses (``check``) the
+    settings it cannot run with. ``pd_segment_layers``: layers per prefill segment under
+    ``pd-multiplex`` — a decode step may run at every segment boundary (a segment's tokens: the
+    prefill epoch, ≤ ``max_num_batched_tokens``).
     ``layer_kv``: layer-wise KV over two tiers (``arbor.engine.policies.layerkv``): a device tier of
     ``device_kv_blocks`` layer-blocks (default: the pool above, in layer-blocks) and a host tier of
     ``host_kv_blocks`` blocks (default: the pool above); ``policy="layerkv"`` adds
@@ -33,36 +35,36 @@ class EngineConfig:
     ``share_weights``: a module already in the engine's dtype and device is served as is (the
     caller's tensors; weight updates move nothing); False: the engine keeps its own copy, which it
     may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
-    oneDNN pre-packed weights (1.1–1.9× faster GEMMs here) and the fused C ops of
-    ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another order than ``F.linear``
-    and the PyTorch ops, so logits differ in the last bits | ``exact``: ``F.linear`` and the PyTorch
-    ops. bfloat16 copies are always packed (bit-identical there; ``arbor.engine.cpu_linear``)."""
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_memory_fraction: float = 0.5
-    kv_cache_bytes: int = 256 << 20
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    policy: str = "mixed"
-    pd_segment_layers: int = 1
-    enable_prefix_caching: bool = True
-    state_snapshots: int = 64
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    logit_noise: float = 0.0
-    logit_noise_dist: str = "normal"
-    logit_noise_frac: float = 1.0
-    progress: bool = False
-    layer_kv: bool = False
-    device_kv_blocks: int | None = None
-    host_kv_blocks: int | None = None
-    tpot_slo: float | None = None
-    ttft_slo: float | None = None
-    slo_safety: float = 1.2
-    share_weights: bool = True
-    fp32_gemm: str = "onednn"
+    oneDNN pre-packed weights and the fused C ops of ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE,
+    silu · mul); sums in another order than ``F.linear`` and the PyTorch ops, so logits differ in
+    the last bits | ``exact``: ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed
+    (bit-identical there; ``arbor.engine.cpu_linear``)."""
+    block_size: int = 16                # tokens per KV block
+    num_blocks: int | None = None       # KV blocks in the pool (None: from kv_memory_fraction or kv_cache_bytes)
+    kv_memory_fraction: float = 0.5     # CUDA: share of free GPU memory the KV pool may take
+    kv_cache_bytes: int = 256 << 20     # CPU: bytes the KV pool may take
+    max_num_seqs: int = 256             # sequences running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (the scheduler's budget)
+    max_model_len: int = 4096           # longest prompt + completion (clipped to the pool and the model)
+    policy: str = "mixed"               # scheduling policy: a name in arbor.engine.policies.POLICIES
+    pd_segment_layers: int = 1          # pd-multiplex: layers per prefill segment
+    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes
+    state_snapshots: int = 64           # recurrent-state snapshots for prefix caching of linear-attention models
+    dtype: str = "float32"              # float32 | bfloat16 | float16 (of the served copy)
+    device: str = "cpu"                 # cpu | cuda | cuda:N | mps
+    seed: int = 0                       # sampling and logit-noise seed
+    logit_noise: float = 0.0            # σ of the noise added to logits (0: none)
+    logit_noise_dist: str = "normal"    # normal | cauchy
+    logit_noise_frac: float = 1.0       # fraction of sampled positions that get noise
+    progress: bool = False              # a progress bar in generate()
+    layer_kv: bool = False              # layer-wise KV over a device and a host tier (LayerKV)
+    device_kv_blocks: int | None = None # layer_kv: device-tier size in layer-blocks
+    host_kv_blocks: int | None = None   # layer_kv: host-tier size in blocks
+    tpot_slo: float | None = None       # layerkv policy: time-per-output-token SLO, seconds
+    ttft_slo: float | None = None       # layerkv policy: time-to-first-token SLO, seconds
+    slo_safety: float = 1.2             # layerkv policy: safety factor (≥ 1) on the predicted prefill time
+    share_weights: bool = True          # serve a module already in this dtype and device as is
+    fp32_gemm: str = "onednn"           # float32 linears of an engine-owned CPU copy: onednn | exact
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -102,10 +104,14 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.state_snapshots must be an integer >= 0, got {self.state_snapshots!r}")
         if not self.logit_noise >= 0:
             raise ValueError(f"EngineConfig.logit_noise must be >= 0, got {self.logit_noise!r}")
-        from arbor.engine.scheduler import POLICIES
-        if self.policy not in POLICIES:
-            raise ValueError(f"EngineConfig.policy must be one of {sorted(POLICIES)}, got '{self.policy}'")
+        if self.logit_noise_dist not in NOISE_DISTS:
+            raise ValueError(f"EngineConfig.logit_noise_dist must be one of {NOISE_DISTS}, got {self.logit_noise_dist!r}")
+        if not 0 <= self.logit_noise_frac <= 1:
+            raise ValueError(f"EngineConfig.logit_noise_frac must be in [0, 1], got {self.logit_noise_frac!r}")
+        from arbor.engine.policies import policy_class
+        policy = policy_class(self.policy)
         self._validate_layer_kv()
+        policy.check(self)
         if not isinstance(self.share_weights, bool):
             raise ValueError(f"EngineConfig.share_weights must be true or false, got {self.share_weights!r}")
         if self.fp32_gemm not in ("onednn", "exact"):
@@ -128,14 +134,6 @@ class EngineConfig:
         safety = self.slo_safety
         if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not safety >= 1:
             raise ValueError(f"EngineConfig.slo_safety must be a number >= 1, got {self.slo_safety!r}")
-        if self.policy == "layerkv":
-            if not self.layer_kv:
-                raise ValueError("EngineConfig.policy 'layerkv' (SLO-aware admission) needs layer_kv=True")
-            if self.tpot_slo is None:
-                raise ValueError("EngineConfig.policy 'layerkv' needs tpot_slo (seconds per output token)")
-        if self.layer_kv and self.policy.startswith("pd-"):
-            raise ValueError(f"EngineConfig.layer_kv does not combine with policy '{self.policy}' "
-                             "(use mixed, prefill-first or layerkv)")
 
     def check_device(self) -> torch.device:
         """The engine's device, or ValueError when this process cannot use it (e.g. "cuda" without CUDA)."""

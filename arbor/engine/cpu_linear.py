@@ -18,11 +18,11 @@ Every attention and MLP module of a packed copy is marked ``engine_owned``: its 
 may then run the fused element-wise C ops too (``arbor.kernels.cpu_ops``; last-bit differences).
 State-dict names and ``update_weights`` are unchanged; the parameters stay the source of truth
 and ``repack(model)`` refreshes every packed copy after they change in place. In bfloat16 the
-outputs are bit-identical to ``F.linear`` (same dot products, column by column) and a decode
-step runs ~20 % faster. In float32 ``F.linear`` is MKL's GEMM and oneDNN's sums in another order
-(last-bit differences), 1.1–1.9× faster on the engine's shapes here (AMD EPYC, AVX-512). Costs
-one more copy of the linear weights. Where PyTorch lacks oneDNN, or its packed bfloat16 GEMM
-would not match ``F.linear`` exactly on this CPU, nothing is packed.
+outputs are bit-identical to ``F.linear`` (same dot products, column by column). In float32
+``F.linear`` is MKL's GEMM and oneDNN's sums in another order (last-bit differences). Costs one
+more copy of the linear weights; saves the per-call re-layout of each weight. Where PyTorch lacks
+oneDNN, or its packed bfloat16 GEMM would not match ``F.linear`` exactly on this CPU, nothing is
+packed.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class FusedLinear:
 class PackedExperts(Experts):
     """Experts with packed copies for inference (``serve``; under autograd: the parameters):
     - bfloat16 with the routed kernel (``cpu_moe``): every call, each token through its k experts
-      only (vs the paths below, at 16 tokens of the tiny MoE: 2.6–3.5× faster, 1–2 threads);
+      only (k of E experts' FLOPs per token, one call);
     - otherwise oneDNN: all experts as two GEMMs (``dense``) for steps of at most
       ``DENSE_MAX_TOKENS`` tokens, one packed GEMM pair per expert (``grouped``) above."""
 
@@ -136,8 +136,8 @@ class PackedExperts(Experts):
         w_e the token's routing weight for e (0 where not routed) — Σ_j w_j · E_{ids_j}(x) by
         linearity, in another summation order. A decode step of T tokens otherwise runs ~2 small
         GEMMs per touched expert plus sorting and scattering, each call dominated by its overhead;
-        the dense pair computes E / k times the FLOPs of the routed rows, which costs less while
-        T ≤ ``DENSE_MAX_TOKENS`` (measured on the tiny MoE's shapes, bfloat16 and float32)."""
+        the dense pair computes E / k times the FLOPs of the routed rows, and is used while
+        T ≤ ``DENSE_MAX_TOKENS``, where those FLOPs cost less than the per-expert calls they replace."""
         t = x.shape[0]
         gate_up, down = self.packed_all
         e, i = self.num_experts, self.down_proj.shape[2]

@@ -1,8 +1,9 @@
 """``LLMEngine``: requests in, completions out — scheduler, model runner and sampler in one loop.
 
-``step()`` = schedule → forward → sample → append / stop checks → free finished sequences.
-A request with ``n`` samples becomes n sequences; samples after the first wait until the
-first one's prompt KV is computed, then share it through the prefix cache.
+``step()`` is the scheduling policy's (``arbor.engine.policies``): schedule → forward(s) → sample →
+append / stop checks → free finished sequences; ``run_batch`` is the one forward-and-sample that
+every policy's step is made of. A request with ``n`` samples becomes n sequences; samples after
+the first wait until the first one's prompt KV is computed, then share it through the prefix cache.
 
 Distributed (``ctx`` with ``ep_size`` > 1): attention is data-parallel — each rank has its own
 requests, KV and scheduler — and the experts are split over the EP group. Every ``step()`` then runs
@@ -28,7 +29,7 @@ from arbor.engine.config import EngineConfig
 from arbor.engine.cpu_linear import pack_linears, repack
 from arbor.engine.model_runner import ModelRunner
 from arbor.engine.kv.paged import KVCache
-from arbor.engine.policies.pd_multiplex import Multiplexer
+from arbor.engine.policies import policy_class
 from arbor.engine.sampler import Sampler
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.scheduler import Scheduler
@@ -67,14 +68,14 @@ def _load(model_or_path, cfg: EngineConfig, tokenizer, ctx=None):
 
 
 def refuse_block_diffusion(model_or_path) -> None:
-    """The engine decodes autoregressively; a block-diffusion model (a folder or a module) is refused
+    """The engine decodes autoregressively; a model of another family (a folder or a module) is refused
     with what decodes it instead, never decoded causally."""
     if isinstance(model_or_path, (str, Path)):
         from arbor.models import ModelConfig
         mc = ModelConfig.from_file(model_or_path)
     else:
         mc = getattr(model_or_path, "config", None)
-    if mc is not None and getattr(mc, "is_block_diffusion", False):
+    if mc is not None and getattr(mc, "family", "autoregressive") != "autoregressive":
         raise ValueError(f"{model_or_path if isinstance(model_or_path, (str, Path)) else 'this model'} is a "
                          f"block-diffusion model ({mc.architecture}); LLMEngine decodes left to right and would "
                          "decode it wrongly. Use `arbor generate --diffusion` (arbor.dllm.decoding: "
@@ -122,7 +123,8 @@ class LLMEngine:
                                  snapshots, cfg.logit_noise_dist, cfg.logit_noise_frac, **tiers)
         self.block_manager = manager_cls(num_blocks, cfg.block_size, cfg.enable_prefix_caching and (
             snapshots > 0 or not has_linear), states=self.runner.states if snapshots else None, **tiers)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.policy,
+        self.policy = policy_class(cfg.policy)()
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.policy,
                                    on_free=self.runner.release)
         self.sampler = Sampler(cfg.seed)
         self.requests: dict[str, list[Sequence]] = {}
@@ -130,7 +132,7 @@ class LLMEngine:
         self.num_steps = 0
         self.decode_stall_s = 0.0       # Σ over decode tokens: forward start − previous token's time
         self.timeline: list | None = None
-        self.multiplexer = Multiplexer(self) if hasattr(self.scheduler.policy, "schedule_pd") else None
+        self.policy.bind(self)
 
     # ---- requests -----------------------------------------------------------------------
     @functools.cached_property
@@ -216,16 +218,9 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One forward (P/D policies: one prefill epoch with its decode steps, ``pd_multiplex``);
+        """The policy's step: one forward (P/D policies: one prefill epoch with its decode steps);
         → the sequences that got a token this step (finished ones included)."""
-        if self.multiplexer is not None:
-            return self.multiplexer.step()
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.lockstep:
-                self.idle_step()
-            return []
-        return self.run_batch(batch)
+        return self.policy.step(self)
 
     def run_batch(self, batch, layers_per_segment: int | None = None, at_boundary=None,
                   phase: str | None = None) -> list[Sequence]:
@@ -274,12 +269,7 @@ class LLMEngine:
     @torch.inference_mode()
     def idle_step(self) -> list:
         """Join the other ranks' expert exchanges of one step with no tokens of this rank's own."""
-        if self.multiplexer is not None:
-            return self.multiplexer.step(admit=False)
-        from arbor.models.expert_parallel import idle_forward
-        idle_forward(self.model)
-        self.num_steps += 1
-        return []
+        return self.policy.idle_step(self)
 
     def any_rank_unfinished(self) -> bool:
         """``has_unfinished`` of any rank (one collective under lockstep; this rank's alone otherwise)."""
@@ -327,6 +317,21 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [c for rid in ids for c in self.pop_finished(rid)]
+
+    def stats(self) -> dict:
+        """Queue lengths, KV use and counters now: requests, waiting / running sequences, steps,
+        preemptions, KV blocks (``kv_usage`` = blocks held by running sequences / all blocks), the
+        prefix-cache hit rate, Σ decode stall, and the policy's and the KV tiers' counters."""
+        bm, s = self.block_manager, self.scheduler
+        total = len(bm.blocks)
+        out = {"policy": self.config.policy, "requests": len(self.requests), "waiting": len(s.waiting),
+               "running": len(s.running), "num_steps": self.num_steps, "num_preemptions": s.num_preemptions,
+               "kv_blocks": total, "kv_blocks_free": bm.num_free_blocks,
+               "kv_usage": (total - bm.num_free_blocks) / max(1, total), "prefix_cache_hit_rate": bm.hit_rate,
+               "decode_stall_s": self.decode_stall_s, **self.policy.stats()}
+        if self.layer_kv is not None:
+            out["layer_kv"] = self.layer_kv.stats()
+        return out
 
     # ---- weights ------------------------------------------------------------------------
     @torch.no_grad()

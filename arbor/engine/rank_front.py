@@ -1,9 +1,10 @@
-"""``arbor serve MODEL --ranks N``: one OpenAI-compatible HTTP front over N ranks of a distributed engine.
+"""One engine front over N ranks of a distributed engine (``arbor serve MODEL ranks=N``; the HTTP
+part is ``arbor.serve.ranks``).
 
 Every rank loads the folder under ``init_distributed`` and keeps its own requests, KV and scheduler
 (attention data-parallel); an MoE model's experts are split over the ranks (expert-parallel, every
 ``step()`` one forward on every rank), a dense model is N independent replicas under the same
-protocol. Rank 0 runs the HTTP server (only it binds the port) with a ``RankFront`` in place of its
+protocol. Rank 0 drives a ``RankFront`` (a ``SteppedEngine``: ``arbor.engine.client``) in place of its
 ``LLMEngine``; ranks ≥ 1 run ``worker_loop``.
 
 Protocol, on the control group; every rank issues the same collectives in the same order:
@@ -32,14 +33,12 @@ Protocol, on the control group; every rank issues the same collectives in the sa
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from itertools import count
-from pathlib import Path
 
 from arbor.distributed import CollectiveError
 from arbor.engine.sampling_params import SamplingParams
@@ -126,9 +125,10 @@ class _Snapshot:
 
 
 class RankFront:
-    """Rank 0's engine for ``AsyncLLMEngine``: its own ``LLMEngine`` plus the other ranks, behind the
-    ``LLMEngine`` request interface (``add_request``, ``abort``, ``step``, ``has_unfinished``,
-    ``requests``). Invariant: ``_load[r]`` = unfinished sequences of the requests in ``_inflight`` on rank r."""
+    """Rank 0's engine: its own ``LLMEngine`` plus the other ranks, behind the ``SteppedEngine``
+    interface (``generate``, ``add_request``, ``abort``, ``step``, ``has_unfinished``, ``stats``;
+    ``requests``), so ``AsyncLLMEngine(front)`` streams from it. Invariant: ``_load[r]`` = unfinished
+    sequences of the requests in ``_inflight`` on rank r."""
 
     lockstep = False          # the rounds keep the ranks in step; the async loop need not
 
@@ -177,6 +177,27 @@ class RankFront:
     def update_weights(self, named_tensors) -> float:
         raise ValueError("update_weights is not supported with --ranks; restart the server on the new weights")
 
+    def stats(self) -> dict:
+        """Requests in flight, in-flight sequences per rank (``load``), and rank 0's engine's ``stats()``."""
+        return {"requests": len(self._inflight), "load": list(self._load), "rank0": self.engine.stats()}
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Run a batch over the ranks to the end → final completions in prompt order (``LLMEngine.generate``)."""
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final = {}
+        while self.has_unfinished():
+            for snap in self.step():
+                if snap.is_finished:
+                    final[snap.request_id, snap.out.index] = snap.out
+        for rid in rids:
+            self.requests.pop(rid, None)
+        return [final[rid, j] for rid, sp in zip(rids, params) for j in range(sp.n)]
+
     def _round(self, step: bool = False, stop: bool = False) -> list | None:
         msg = Control(self._adds, self._aborts, step, stop)
         self._adds, self._aborts, self._last = [], [], time.monotonic()
@@ -222,69 +243,4 @@ class RankFront:
         self._round(stop=True)
 
 
-def _orphaned() -> bool:
-    """The launcher that started this rank died (the rank was re-parented)."""
-    launcher = os.environ.get("ARBOR_LAUNCHER_PID")
-    return bool(launcher) and os.getppid() != int(launcher)
-
-
-def _serve_front(front: RankFront, host: str, port: int, model_name: str, server_config=None) -> None:
-    import uvicorn
-
-    from arbor.engine.async_engine import AsyncLLMEngine
-    from arbor.serve.server import build_app
-    app = build_app(AsyncLLMEngine(front), model_name, server_config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port))
-
-    def on_signal(signum, frame):       # uvicorn re-raises the signals it caught into these after it stops
-        server.should_exit = True
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    async def watch():
-        while True:
-            await asyncio.sleep(0.2)
-            if _orphaned():
-                server.should_exit = True
-            front.heartbeat()
-
-    async def main():
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            await server.serve()
-        finally:
-            watcher.cancel()
-
-    try:
-        asyncio.run(main())
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        front.close()
-
-
-def serve_ranks(model_dir: str, host: str, port: int, config, model_name: str | None = None,
-                server_config=None) -> None:
-    """This process's part of a multi-rank server; the rank comes from torchrun's environment."""
-    from arbor.distributed import DistConfig, init_distributed
-    from arbor.engine.llm_engine import LLMEngine
-    from arbor.models import ModelConfig
-    ctx = init_distributed(DistConfig(), num_experts=ModelConfig.from_file(model_dir).num_experts,
-                           device=config.device)
-    engine = LLMEngine(model_dir, config, ctx=ctx)
-    agree_context_length(engine, ctx)
-    if ctx.rank == 0:
-        print(f"arbor serve: {ctx.world_size} ranks (expert-parallel over {ctx.ep_size})", flush=True)
-        _serve_front(RankFront(engine, ctx), host, port, model_name or Path(model_dir).name, server_config)
-    else:
-        worker_loop(engine, ctx)
-    # Every rank knows of the stop. Tearing a gloo group down while its peer exits can abort the
-    # process in C++ ("terminate called without an active exception"), so a served rank leaves
-    # without destructors once its output is flushed.
-    ctx.barrier("serve: stopped")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-__all__ = ["Control", "RankFront", "run_round", "serve_ranks", "worker_loop"]
+__all__ = ["Control", "RankFront", "agree_context_length", "run_round", "worker_loop"]

@@ -10,7 +10,8 @@ For models with linear-attention layers (``BlockManager.states``) prefill chunks
 boundaries where they can (the tail after the last boundary runs as its own chunk), so the
 recurrent state at those boundaries can be snapshotted for prefix caching.
 
-Policies (``SchedulerPolicy.schedule(scheduler) -> list[(seq, num_tokens)]``):
+What a step schedules is the policy's (``arbor.engine.policies``: ``policy.schedule(scheduler) ->
+[(seq, num_tokens)]``, built from the blocks below):
 - ``prefill-first``: a step is all-prefill (running chunks, then admissions) when any prefill
   work fits; otherwise all-decode.
 - ``mixed``: decodes first, then prefill chunks and admissions fill the rest of the budget, one forward.
@@ -26,19 +27,18 @@ from __future__ import annotations
 from collections import deque
 
 from arbor.engine.block_manager import BlockManager
+from arbor.engine.policies import Policy, policy_class
 from arbor.engine.sequence import Sequence, SequenceStatus
-from arbor.engine.policies.slo_admission import LayerKVPolicy
 
 ScheduledBatch = list[tuple[Sequence, int]]
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "mixed", on_free=None):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduler policy '{policy}'; choose from {sorted(POLICIES)}")
+                 policy: str | Policy = "mixed", on_free=None):
+        """``policy``: a policy object, or the name of one (``arbor.engine.policies.POLICIES``)."""
         self.bm, self.max_num_seqs, self.budget = block_manager, max_num_seqs, max_num_batched_tokens
-        self.policy = POLICIES[policy]()
+        self.policy = policy_class(policy, "the scheduler policy")() if isinstance(policy, str) else policy
         self.on_free = on_free or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -135,49 +135,3 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-
-
-class PrefillFirst:
-    def schedule(self, s: Scheduler) -> ScheduledBatch:
-        batch: ScheduledBatch = []
-        if s.has_prefill_work():
-            s.schedule_prefills(batch, s.budget)
-            if batch:
-                return batch
-        s.schedule_decodes(batch, s.budget)
-        return batch
-
-
-class Mixed:
-    def schedule(self, s: Scheduler) -> ScheduledBatch:
-        batch: ScheduledBatch = []
-        budget = s.schedule_decodes(batch, s.budget)
-        s.schedule_prefills(batch, budget)
-        return batch
-
-
-class PDMultiplex:
-    """Decode batch first (with preemption), prefill epoch in the leftover budget; the engine runs
-    them as separate forwards (``arbor.engine.policies.pd_multiplex``), prefill cut every
-    ``EngineConfig.pd_segment_layers`` layers."""
-    whole_epoch = False
-
-    def schedule_pd(self, s: Scheduler) -> tuple[ScheduledBatch, ScheduledBatch]:
-        decodes: ScheduledBatch = []
-        budget = s.schedule_decodes(decodes, s.budget)
-        prefill: ScheduledBatch = []
-        s.schedule_prefills(prefill, budget)
-        return decodes, prefill
-
-    def schedule(self, s: Scheduler) -> ScheduledBatch:
-        decodes, prefill = self.schedule_pd(s)
-        return decodes + prefill
-
-
-class PDGlobalEnqueue(PDMultiplex):
-    """``pd-multiplex`` without boundaries: the whole prefill epoch is one segment (the coarse baseline)."""
-    whole_epoch = True
-
-
-POLICIES = {"prefill-first": PrefillFirst, "mixed": Mixed, "pd-multiplex": PDMultiplex,
-            "pd-global-enqueue": PDGlobalEnqueue, "layerkv": LayerKVPolicy}

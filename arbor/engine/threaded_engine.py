@@ -34,9 +34,9 @@ from arbor.engine.async_engine import AsyncLLMEngine
 from arbor.engine.sampling_params import SamplingParams
 
 
-class _EngineThread:
+class EngineThread:
     """One daemon thread running submitted callables in order (a daemon, so that a forced exit of
-    the process never waits for a step)."""
+    the process never waits for a step). Also the diffusion server's decode worker."""
 
     def __init__(self):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -73,8 +73,9 @@ class ThreadedAsyncLLMEngine(AsyncLLMEngine):
         self._commands: collections.deque = collections.deque()
         self._samples: dict[str, int] = {}       # live request id → n (the loop's view)
         self._busy = False                       # the engine had unfinished work after the last job
-        self._thread = _EngineThread()
+        self._thread = EngineThread()
         self._rids = count()
+        self._stats = self.engine.stats()        # the engine's, as of the engine thread's last job
 
     # ---- the loop's side ---------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -111,6 +112,12 @@ class ThreadedAsyncLLMEngine(AsyncLLMEngine):
 
     def num_requests(self) -> int:
         return len(self._samples)
+
+    def stats(self) -> dict:
+        """The engine's ``stats()`` as of the end of the engine thread's last job (read there, so the
+        loop never reads a mutating engine), plus this front's live requests and queued commands."""
+        return {**self._stats, "streams": len(self._samples), "commands_queued": len(self._commands),
+                "paused": self._paused}
 
     def _command(self, cmd) -> None:
         self._commands.append(cmd)
@@ -176,4 +183,5 @@ class ThreadedAsyncLLMEngine(AsyncLLMEngine):
                 outs.append(seq.completion(tok if seq.is_finished else None))
                 if seq.is_finished and all(s.is_finished for s in eng.requests.get(seq.request_id, ())):
                     eng.requests.pop(seq.request_id, None)
+        self._stats = eng.stats()
         return outs, eng.has_unfinished()

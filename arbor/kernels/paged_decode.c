@@ -5,8 +5,8 @@
        s_t = scale · q_j · k_{slot(t), h},   slot(t) = table[t / bs] · bs + t % bs,   t < n
        out_j = Σ_t softmax(s)_t · v_{slot(t), h}
    The softmax is exact (two passes: max, then exp-sum); bfloat16 output rounds once, to nearest
-   even. With AVX-512 a bfloat16 cache takes two faster paths (scores by vdpbf16ps, the value pass with its
-   accumulators in registers; together 1.25–1.3× the generic passes on 256 sequences of 80–640 keys).
+   even. With AVX-512 a bfloat16 cache takes two other paths (scores by vdpbf16ps, the value pass with its
+   accumulators in registers), same math.
    Built and loaded by arbor/kernels/cpu_attention.py. */
 #include <float.h>
 #include <math.h>
@@ -29,9 +29,8 @@ static inline __attribute__((always_inline)) void load(const void *base, long of
 }
 
 /* Asks for row `slot` of head h ahead of its use (one block ahead): rows jump between blocks, which
-   hardware prefetchers do not follow. Into L2 (prefetcht2), not L1: L1's few miss buffers capped the
-   lines in flight, and with them the bandwidth (float32, 256 sequences of 80–640 keys, one core:
-   ~7.5 → 13–19 GB/s of KV; bfloat16 ~8 → ~10). */
+   hardware prefetchers do not follow. Into L2 (prefetcht2), not L1: L1's few miss buffers would cap
+   the lines in flight, and with them the bandwidth. */
 static inline __attribute__((always_inline)) void prefetch_row(const void *cache, long slot, int num_kv_heads, int h,
                                                               int D, int bf16) {
     const char *p = (const char *)cache + (slot * num_kv_heads + h) * D * (bf16 ? 2 : 4);
@@ -52,8 +51,8 @@ static inline __attribute__((always_inline)) const float *row_at(const void *cac
 
 /* The value pass over a bfloat16 cache for one kv head h and its G query heads (j = h·G + g, probabilities
    at p + j·n): acc_j = Σ_t p_j[t] · v_t over keys 0..n−1, the G · D/16 float32 accumulators in registers
-   (G · D/16 ≤ 16), the next block's rows prefetched; acc: G rows of D floats, written once at the end.
-   In bfloat16 the generic pass spent its time storing converted rows and accumulators (1.25–1.3× slower). */
+   (G · D/16 ≤ 16), the next block's rows prefetched; acc: G rows of D floats, written once at the end
+   (no stores of converted rows or partial accumulators, which the generic pass makes). */
 static inline __attribute__((always_inline)) void v_pass_bf16(const uint16_t *v_cache, const int32_t *table, int n,
         int block_size, int num_kv_heads, int h, const int D, const int G, const float *p, float *acc) {
     const int V = D / 16, nblocks = (n + block_size - 1) / block_size;

@@ -20,11 +20,15 @@ from __future__ import annotations
 import asyncio
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from arbor.rollout.chat import env_turn_ids, prompt_ids
 from arbor.rollout.tree import Node, RolloutTree, Segment
+
+if TYPE_CHECKING:
+    from arbor.engine.client import EngineClient
 
 
 def _resumed_routing(before, base: int, fresh):
@@ -46,14 +50,10 @@ class RolloutConfig:
     branch: list[int] = field(default_factory=lambda: [4])
     seed: int = 0
     end_on_truncation: bool = True   # a model turn cut at max_turn_tokens (no end-of-turn) ends the episode
-    policy: str = "mixed"            # the engine's scheduling policy (EngineConfig.policy), e.g. pd-multiplex
-    pd_segment_layers: int = 1       # pd-multiplex: layers per prefill segment (EngineConfig.pd_segment_layers)
 
     def validate(self) -> None:
         from arbor.configs import check
-        from arbor.engine.scheduler import POLICIES
-        check(self, (self.policy in POLICIES, "policy", f"must be one of {sorted(POLICIES)}"),
-              (self.pd_segment_layers >= 1, "pd_segment_layers", "must be ≥ 1"), (self.max_turn_tokens >= 1, "max_turn_tokens", "must be ≥ 1"),
+        check(self, (self.max_turn_tokens >= 1, "max_turn_tokens", "must be ≥ 1"),
               (self.max_context >= 2, "max_context", "must be ≥ 2"), (self.temperature >= 0, "temperature", "must be ≥ 0"),
               (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
               (len(self.branch) >= 1 and all(b >= 1 for b in self.branch), "branch", "must be a non-empty list of counts ≥ 1"))
@@ -73,8 +73,9 @@ class Episode:
 
 
 class Collector:
-    def __init__(self, engine, tokenizer, cfg: RolloutConfig, sampling_factory):
-        """sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos) → the engine's SamplingParams."""
+    def __init__(self, engine: EngineClient, tokenizer, cfg: RolloutConfig, sampling_factory):
+        """``engine``: any streaming front end (``arbor.engine.client.EngineClient``: its ``generate``);
+        sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos) → the engine's SamplingParams."""
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.sampling = sampling_factory
         self.version = 0

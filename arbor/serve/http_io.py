@@ -51,8 +51,8 @@ def _loads_yielding(raw: bytes):
 
 async def read_json(request, limit: int) -> dict:
     """The request's JSON object body; RequestError for a body over ``limit`` bytes or not a JSON object."""
-    too_large = RequestError(f"the request body is larger than this server accepts ({limit} bytes, --max-body-mb)",
-                             None, "request_too_large")
+    too_large = RequestError(f"the request body is larger than this server accepts ({limit} bytes, "
+                             "server.max_body_bytes)", None, "request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large

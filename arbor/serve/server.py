@@ -1,11 +1,16 @@
-"""OpenAI-compatible HTTP server over one ``AsyncLLMEngine`` (FastAPI + uvicorn).
+"""The autoregressive backend of the OpenAI server (``arbor.serve.app``): ``EngineBackend`` over a
+streaming engine (``ThreadedAsyncLLMEngine`` in one process; ``AsyncLLMEngine`` over rank 0's
+``RankFront``, ``arbor.serve.ranks``).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` → SSE lines
+Routes (with ``app``'s): ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` → SSE lines
 ``data: {json}`` ending with ``data: [DONE]``; chat chunks carry ``delta``; with
 ``stream_options.include_usage`` every chunk has ``usage: null`` and a last chunk with no choices
 carries the usage), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``,
 ``POST /update_weights`` ``{"path": safetensors file or HF folder}`` (off unless enabled, and then
 only inside the allowed root). ``ServerConfig`` holds the limits; ``serve`` runs it all.
+
+The engine is an ``EngineClient`` (``arbor.engine.client``) that also queues before it streams, so a
+request is checked whole before any part of it is queued (``ServedEngine``).
 
 Invariants:
 - Any client input gets a 4xx with an OpenAI error body, never a 500, and the engine keeps serving.
@@ -25,19 +30,35 @@ characters until the sample ends, so a stop string is never sent.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
+from typing import AsyncIterator, Protocol, runtime_checkable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from arbor.engine.client import EngineClient
+from arbor.engine.sampling_params import SamplingParams
+from arbor.engine.sequence import Completion
 from arbor.serve import openai_protocol as oai
-from arbor.engine.async_engine import AsyncLLMEngine
-from arbor.serve.http_io import BearerAuth, JSONOut, SSEResponse, error_response, first_or_disconnect, read_json
-from arbor.serve.openai_protocol import RequestError
+from arbor.serve.app import OFF_LOOP_CHARS, Backend, ReadBody, draining_error, make_app, sse_line
 from arbor.serve.config import ServerConfig
+from arbor.serve.http_io import SSEResponse, first_or_disconnect
+from arbor.serve.openai_protocol import RequestError
 
-OFF_LOOP_CHARS = 4096       # prompts at least this long are checked and tokenized on a worker thread
+
+@runtime_checkable
+class ServedEngine(EngineClient, Protocol):
+    """An ``EngineClient`` the server can queue into before it streams (``AsyncLLMEngine`` and
+    ``ThreadedAsyncLLMEngine``); it also has ``tokenizer``, ``model``, ``max_model_len`` and
+    ``max_prompt_chars``."""
+
+    def check_request(self, prompt, params: SamplingParams) -> list[int]: ...
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str: ...
+
+    def stream(self, request_id: str) -> AsyncIterator[Completion]: ...
+
+    async def update_weights_between_steps(self, named_tensors) -> float: ...
 
 
 def load_named_tensors(path: str, model) -> dict:
@@ -59,61 +80,17 @@ def _param(e: ValueError) -> str | None:
     return "stop_token_ids" if "stop_token_ids" in text else "stop" if text.startswith("stop") else "prompt"
 
 
-def base_app(model_name: str, card: dict, cfg: ServerConfig) -> tuple[FastAPI, object]:
-    """What every Arbor server shares (the autoregressive one here, the block-diffusion one in
-    ``diffusion_server``): the API-key check, the OpenAI error body for ``RequestError``, ``/health``,
-    ``/v1/models`` and ``/v1/models/{id}`` (``card``) → (app, ``read_body``: the request's JSON body,
-    503 while draining, 400 for another model's name)."""
-    app = FastAPI(title="Arbor", default_response_class=JSONOut)
-    app.state.draining = False
-    if cfg.api_key:
-        app.add_middleware(BearerAuth, api_key=cfg.api_key)
-
-    @app.exception_handler(RequestError)
-    async def request_error(_, e: RequestError):
-        return error_response(e)
-
-    async def read_body(request: Request) -> dict:
-        if app.state.draining:
-            raise RequestError("the server is shutting down", None, "shutting_down", 503)
-        body = await read_json(request, cfg.max_body_bytes)
-        if body.get("model", model_name) != model_name:
-            raise RequestError(f"the model '{body.get('model')}' does not exist; this server serves '{model_name}'",
-                               "model", "model_not_found")
-        return body
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != model_name:
-            raise RequestError(f"the model '{model_id}' does not exist; this server serves '{model_name}'",
-                               "model", "model_not_found", 404)
-        return card
-
-    return app, read_body
-
-
-def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
-    cfg = config or ServerConfig()
+def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model_name: str, cfg: ServerConfig) -> None:
+    """``EngineBackend.install``: the generation and weight-update routes over ``engine``."""
     tok = engine.tokenizer
-    engine.max_prompt_chars         # measured now (a pass over the vocabulary), not inside a request
-    card = {"id": model_name, "object": "model", "owned_by": "arbor", "max_model_len": engine.engine.max_model_len}
-    app, read_body = base_app(model_name, card, cfg)
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
         body = await read_body(request)
         target = cfg.weights_path(body.get("path"))
         try:
-            tensors = await asyncio.to_thread(load_named_tensors, str(target), engine.engine.model)
-            seconds = await engine.run_between_steps(lambda: engine.engine.update_weights(tensors))
+            tensors = await asyncio.to_thread(load_named_tensors, str(target), engine.model)
+            seconds = await engine.update_weights_between_steps(tensors)
         except RequestError:
             raise
         except Exception as e:      # unreadable, not safetensors, wrong names or shapes: the client's path
@@ -136,7 +113,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
         limit = engine.max_prompt_chars
         chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
         if limit is not None and chars > limit:
-            raise RequestError(f"the messages hold {chars} characters, more than the {engine.engine.max_model_len}-"
+            raise RequestError(f"the messages hold {chars} characters, more than the {engine.max_model_len}-"
                                f"token context can hold (at most {limit})", "messages")
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -153,11 +130,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
             if tok is None:
                 raise RequestError("chat needs a tokenizer; this model folder has none", "messages")
             messages = oai.chat_messages(body)
-            cfg.check_size(params, 1, engine.engine.max_model_len)
+            cfg.check_size(params, 1, engine.max_model_len)
             size, work = sum(len(m["content"]) for m in messages), lambda: render_chat(messages, params)
         else:
             prompts = oai.completion_prompts(body)
-            cfg.check_size(params, len(prompts), engine.engine.max_model_len)
+            cfg.check_size(params, len(prompts), engine.max_model_len)
             size, work = sum(len(p) for p in prompts), lambda: check_all(prompts, params)
         if params.stop and tok is None:
             raise RequestError("stop strings need a tokenizer; this model folder has none", "stop")
@@ -169,7 +146,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
         body = await read_body(request)
         params, prompt_ids, stream, include_usage, want_lp = await prepare(body, chat)
         if app.state.draining:
-            raise RequestError("the server is shutting down", None, "shutting_down", 503)
+            raise draining_error()
         rids = [engine.add_request(ids, params) for ids in prompt_ids]
         abort = lambda: [engine.abort(r) for r in rids]      # a no-op for finished requests
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
@@ -202,7 +179,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
 
     async def sse(rids, rid, chat, params, want_lp, include_usage):
         hold = max((len(s) for s in params.stop), default=1) - 1
-        line = (lambda obj: _line({**obj, "usage": None})) if include_usage else _line
+        line = (lambda obj: sse_line({**obj, "usage": None})) if include_usage else sse_line
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for i, r in enumerate(rids):
             sent_ids, sent_text, counted = {}, {}, False
@@ -224,7 +201,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
                     counted = True
         if include_usage:
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield _line(oai.usage_chunk(rid, model_name, chat, usage))
+            yield sse_line(oai.usage_chunk(rid, model_name, chat, usage))
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -235,24 +212,50 @@ def build_app(engine: AsyncLLMEngine, model_name: str, config: ServerConfig | No
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
-    return app
 
 
-def _line(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+
+class EngineBackend:
+    """The autoregressive ``Backend``: the OpenAI routes over a ``ServedEngine``. Graceful shutdown
+    (``abort_all``, ``num_requests``) needs a ``ThreadedAsyncLLMEngine``."""
+
+    def __init__(self, engine: ServedEngine):
+        self.engine = engine
+        engine.max_prompt_chars         # measured now (a pass over the vocabulary), not inside a request
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def card(self) -> dict:
+        return {}
+
+    def install(self, app: FastAPI, read_body: ReadBody, model_name: str, config: ServerConfig) -> None:
+        engine_routes(self.engine, app, read_body, model_name, config)
+
+    def abort_all(self) -> None:
+        self.engine.abort_all()
+
+    def num_requests(self) -> int:
+        return self.engine.num_requests()
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, config=None, model_name: str | None = None,
-          server_config: ServerConfig | None = None) -> None:
-    """Serve ``model_dir`` until SIGTERM / SIGINT (see ``arbor.serve.shutdown``); a block-diffusion
-    model is served by ``diffusion_server`` (its diffusion decoder), any other by the engine."""
-    from arbor.serve.shutdown import run_server
+def build_app(engine: ServedEngine, model_name: str, config: ServerConfig | None = None) -> FastAPI:
+    """The app serving ``engine`` (``make_app`` over its ``EngineBackend``)."""
+    return make_app(EngineBackend(engine), model_name, config)
+
+
+def engine_backend(model_dir: str, config=None) -> EngineBackend:
+    """The backend of an autoregressive model folder: its engine stepping on a thread of its own
+    (``ThreadedAsyncLLMEngine``, so the event loop answers while a step runs)."""
     from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
-    from arbor.models import ModelConfig
-    server_config = server_config or ServerConfig()
-    if ModelConfig.from_file(model_dir).is_block_diffusion:
-        from arbor.dllm.server import serve_diffusion
-        return serve_diffusion(model_dir, host, port, config, model_name, server_config)
-    engine = ThreadedAsyncLLMEngine(model_dir, config)
-    app = build_app(engine, model_name or Path(model_dir).name, server_config)
-    run_server(app, engine, host, port, server_config.shutdown_grace_s)
+    return EngineBackend(ThreadedAsyncLLMEngine(model_dir, config))
+
+
+def serve(backend: Backend | ServedEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          server_config: ServerConfig | None = None) -> None:
+    """Serve ``backend`` (an engine is served through its ``EngineBackend``) as ``model_name`` until
+    SIGTERM / SIGINT (``arbor.serve.shutdown``)."""
+    from arbor.serve import app
+    app.serve(backend if isinstance(backend, Backend) else EngineBackend(backend), model_name, host, port,
+              server_config)

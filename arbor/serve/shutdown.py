@@ -19,9 +19,9 @@ import uvicorn
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app, engine, grace: float):
+    def __init__(self, config: uvicorn.Config, app, backend, grace: float):
         super().__init__(config)
-        self.app, self.engine, self.grace = app, engine, grace
+        self.app, self.backend, self.grace = app, backend, grace
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -35,17 +35,18 @@ class GracefulServer(uvicorn.Server):
             self.force_exit = True
             print(f"arbor serve: {name} again: aborting every request and exiting now", file=sys.stderr, flush=True)
             if loop is not None:
-                loop.call_soon_threadsafe(self.engine.abort_all)
+                loop.call_soon_threadsafe(self.backend.abort_all)
             return
         self.should_exit = True
         self.app.state.draining = True
-        print(f"arbor serve: {name}: taking no new requests; the {self.engine.num_requests()} in flight are aborted "
+        print(f"arbor serve: {name}: taking no new requests; the {self.backend.num_requests()} in flight are aborted "
               f"in {self.grace:g} s ({name} again to exit now)", file=sys.stderr, flush=True)
         if loop is not None:
-            loop.call_soon_threadsafe(loop.call_later, self.grace, self.engine.abort_all)
+            loop.call_soon_threadsafe(loop.call_later, self.grace, self.backend.abort_all)
 
 
-def run_server(app, engine, host: str, port: int, grace: float, log_level: str = "info") -> None:
-    """Serve ``app`` (over ``engine``, a ``ThreadedAsyncLLMEngine``) until a signal ends it, as above."""
+def run_server(app, backend, host: str, port: int, grace: float, log_level: str = "info") -> None:
+    """Serve ``app`` until a signal ends it, as above; ``backend`` (``arbor.serve.app.Backend``) counts
+    and aborts the requests in flight."""
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace + 10, log_level=log_level)
-    GracefulServer(config, app, engine, grace).run()
+    GracefulServer(config, app, backend, grace).run()

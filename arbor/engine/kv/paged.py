@@ -13,8 +13,7 @@ the tail of a sequence's last block masked off):
   c = 0 attends over its own k, v without touching the cache.
 On CPU the C kernels of ``cpu_attention`` replace both where they run: decodes read their blocks in
 place (``decode_kernel``), and every prefill chunk reads its keys — its own included, written just
-before — from the cache in one call (``prefill_kernel``; 1.4–2.1× PyTorch's flash SDPA on the
-engine bench's shapes).
+before — from the cache in one call (``prefill_kernel``: no gather copy of the context).
 All index tensors are built once per step (``build``) and shared by every layer.
 """
 

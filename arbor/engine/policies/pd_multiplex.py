@@ -3,11 +3,11 @@
 
 One engine step is one prefill epoch with decode steps at its boundaries:
 
-1. D first — the planner (``PDMultiplex.schedule_pd``) schedules every running decode, then gives
+1. D first — ``PDMultiplex.schedule_pd`` schedules every running decode, then gives
    the leftover token budget to prefill (running chunks, then admissions): the epoch;
 2. P — the epoch as one forward cut into segments of ``pd_segment_layers`` layers
    (``pd-global-enqueue``: one segment, no boundaries: the coarse baseline);
-3. at every boundary the turnstile (``arbor.dist.Turnstile``): all ranks agree whether a decode step
+3. at every boundary the turnstile (``turnstile.Turnstile``): all ranks agree whether a decode step
    is pending anywhere; if so every rank runs its decode step (an empty one where it has none),
    meets the others again, and the next segment is released.
 
@@ -22,39 +22,72 @@ returns each sequence that got any once.
 Distributed (lockstep EP engine): per step one flag all-reduce (prefill anywhere? decode anywhere?),
 then per boundary the turnstile's; a rank without prefill runs the epoch's exchanges with zero rows
 (``idle_segments``), so every rank issues every collective in one order.
+
+The two policies refuse ``EngineConfig.layer_kv``: the tiered runner keeps one forward's copies in
+flight (``TieredAttention``), and a decode step at a boundary would be a second forward inside it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from arbor.engine.policies.base import Policy
 from arbor.engine.policies.turnstile import Turnstile
 from arbor.engine.sequence import Sequence
 from arbor.models.expert_parallel import ep_phase, idle_segments
 
 
-class Multiplexer:
-    def __init__(self, engine):
+class PDMultiplex(Policy):
+    """Decode batch first (with preemption), prefill epoch in the leftover budget, run as separate
+    forwards, the prefill cut every ``EngineConfig.pd_segment_layers`` layers (module docstring)."""
+    name = "pd-multiplex"
+    whole_epoch = False
+
+    @classmethod
+    def check(cls, config) -> None:
+        if config.layer_kv:
+            raise ValueError(f"EngineConfig.layer_kv does not combine with policy '{config.policy}' (a decode step "
+                             "inside a segmented prefill would be a second forward inside the tiered runner's; "
+                             "use a policy with one forward per step: mixed, prefill-first or layerkv)")
+
+    def bind(self, engine) -> None:
         self.engine = engine
         layers = len(engine.model.model.layers)
-        whole = engine.scheduler.policy.whole_epoch
-        self.layers_per_segment = layers if whole else min(engine.config.pd_segment_layers, layers)
+        self.layers_per_segment = layers if self.whole_epoch else min(engine.config.pd_segment_layers, layers)
         self.turnstile = Turnstile(engine.ctx if engine.lockstep else None)
 
-    def step(self, admit: bool = True) -> list[Sequence]:
+    def schedule_pd(self, s) -> tuple[list, list]:
+        """→ (decodes, prefill epoch): every running decode, then prefill in the leftover budget."""
+        decodes = []
+        budget = s.schedule_decodes(decodes, s.budget)
+        prefill = []
+        s.schedule_prefills(prefill, budget)
+        return decodes, prefill
+
+    def schedule(self, s):
+        decodes, prefill = self.schedule_pd(s)
+        return decodes + prefill
+
+    def step(self, engine, admit: bool = True) -> list[Sequence]:
         """One epoch (steps 1–3); ``admit=False`` schedules nothing of this rank's own and only joins
         the other ranks' collectives. → the sequences that got tokens (each once)."""
-        eng = self.engine
-        decodes, prefill = eng.scheduler.policy.schedule_pd(eng.scheduler) if admit else ([], [])
+        decodes, prefill = self.schedule_pd(engine.scheduler) if admit else ([], [])
         any_decode, any_prefill = bool(decodes), bool(prefill)
-        if eng.lockstep:
-            any_decode, any_prefill = map(bool, eng.ctx.flags_max(any_decode, any_prefill, name="pd: work"))
+        if engine.lockstep:
+            any_decode, any_prefill = map(bool, engine.ctx.flags_max(any_decode, any_prefill, name="pd: work"))
         out: list[Sequence] = []
         if any_decode:
             out += self._decode(decodes)
         if any_prefill:
             out += self._prefill(prefill, admit)
         return list(dict.fromkeys(out))
+
+    def idle_step(self, engine) -> list[Sequence]:
+        return self.step(engine, admit=False)
+
+    def stats(self) -> dict:
+        t = self.turnstile
+        return {"boundaries": t.boundaries, "boundary_decode_steps": t.decode_steps}
 
     def _decode(self, batch) -> list[Sequence]:
         with ep_phase(self.engine.model, "decode"):
@@ -91,3 +124,9 @@ class Multiplexer:
             if rows is None:
                 at_boundary()
         eng.num_steps += 1
+
+
+class PDGlobalEnqueue(PDMultiplex):
+    """``pd-multiplex`` without boundaries: the whole prefill epoch is one segment (the coarse baseline)."""
+    name = "pd-global-enqueue"
+    whole_epoch = True

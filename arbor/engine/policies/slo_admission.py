@@ -23,6 +23,8 @@ from collections import deque
 
 import numpy as np
 
+from arbor.engine.policies.base import Mixed
+
 
 class PrefillTimeModel:
     """Step time of a forward as ``t = c0 + c1 · prefill_tokens + c2 · decodes``, a least-squares fit
@@ -65,8 +67,18 @@ def slack(seq, tpot_slo: float, decode_step: float, now: float) -> float:
     return tpot_slo * (generated + remaining) - (now - seq.first_token_time) - remaining * decode_step
 
 
-class LayerKVPolicy:
-    """``mixed`` with the admission check above (needs layer-wise KV: ``scheduler.bm.tiers``)."""
+class LayerKVPolicy(Mixed):
+    """``mixed`` with the admission check above. Needs layer-wise KV (``EngineConfig.layer_kv``: the
+    prefill-time model, the copy engine's bandwidth and the SLO knobs live on ``scheduler.bm.tiers``)
+    and a TPOT SLO (the slack is measured against it)."""
+    name = "layerkv"
+
+    @classmethod
+    def check(cls, config) -> None:
+        if not config.layer_kv:
+            raise ValueError("EngineConfig.policy 'layerkv' (SLO-aware admission) needs layer_kv=True")
+        if config.tpot_slo is None:
+            raise ValueError("EngineConfig.policy 'layerkv' needs tpot_slo (seconds per output token)")
 
     def schedule(self, s):
         batch = []
