@@ -23,12 +23,21 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, root: Path = ROOT) -> set[str]:
-    """Absolute names of the ``arbor`` modules ``path`` imports (relative imports resolved)."""
+def imports(path: Path, root: Path = ROOT, typing_only: bool = True) -> set[str]:
+    """Absolute names of the ``arbor`` modules ``path`` imports (relative imports resolved);
+    ``typing_only=False`` leaves out those under ``if TYPE_CHECKING:`` (never run)."""
     mod = module_name(path, root)
     package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    tree = ast.parse(path.read_text(), str(path))
+    skip = set()
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
             target = ".".join(x for x in (base, node.module) if x)
@@ -63,8 +72,8 @@ def layer(name: str) -> int:
     return LAYERS.index(top)
 
 
-def graph(root: Path = ROOT) -> dict[str, set[str]]:
-    return {module_name(p, root): imports(p, root) for p in root.rglob("*.py")}
+def graph(root: Path = ROOT, typing_only: bool = True) -> dict[str, set[str]]:
+    return {module_name(p, root): imports(p, root, typing_only) for p in root.rglob("*.py")}
 
 
 def upward_imports(root: Path = ROOT) -> list[str]:
@@ -82,8 +91,8 @@ def test_imports_point_down_the_layers():
 
 
 def test_no_import_cycles():
-    g = {m: {t for t in ts if t != m and module_path(t)} for m, ts in graph().items()}
-    # a package's __init__ re-exporting its modules is not a cycle unless a module imports the package back
+    """Imports that run (module level or in a function; not those for type checkers only)."""
+    g = {m: {t for t in ts if t != m and module_path(t)} for m, ts in graph(typing_only=False).items()}
     state, stack, cycles = {}, [], []
 
     def visit(m):

@@ -277,3 +277,17 @@ def generate_text(model, tokenizer, prompts: list[str], cfg: DecodeConfig | None
     stop = [tokenizer.eos_token_id]
     results = diffusion_generate(model, [tokenizer.encode(p) for p in prompts], cfg, stop, **overrides)
     return [(tokenizer.decode(r.tokens[:r.num_tokens]), r) for r in results]
+
+
+def trajectory_lines(trajectory, mask_id: int, tok) -> list[str]:
+    """One line per recorded forward (``DecodeConfig.record``): the response state (``_`` a mask, ``·``
+    a stop token), and how many masks it filled and tokens it edited."""
+    shown = lambda t: "_" if t == mask_id else "·" if t == tok.eos_token_id else tok.decode([t])
+    before = trajectory[0].clone().fill_(mask_id) if trajectory else None      # the response starts all masked
+    lines = []
+    for i, state in enumerate(trajectory, 1):
+        was_masked = before == mask_id
+        filled, edited = int((was_masked & (state != mask_id)).sum()), int((~was_masked & (state != before)).sum())
+        lines.append(f"  step {i:3d}  {''.join(shown(t) for t in state.tolist())}  +{filled} unmasked, {edited} edited")
+        before = state
+    return lines

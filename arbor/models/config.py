@@ -102,6 +102,12 @@ class ModelConfig:
         return self.architecture == "ArborBlockDiffusionForCausalLM"
 
     @property
+    def family(self) -> str:
+        """``block_diffusion`` or ``autoregressive``: the key of ``arbor.families.FAMILIES`` that
+        decides which engine, trainer and server backend serve this model."""
+        return "block_diffusion" if self.is_block_diffusion else "autoregressive"
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
