@@ -3,7 +3,8 @@
 ``load(cls, path, overrides)`` fills a (possibly nested) dataclass from a TOML file, then applies
 each override; values are parsed as TOML literals (``lr=1e-5``, ``tree.enabled=false``,
 ``name="x"``), falling back to the raw string. Every value is checked where it enters: an unknown
-key is an error that lists the valid ones, a value of the wrong type (``steps=2.5``, ``tree=false``
+key is an error that lists the valid ones (or, for a key a section renamed — its class's
+``RENAMED_KEYS`` — names the new key), a value of the wrong type (``steps=2.5``, ``tree=false``
 for a section) names the key and the type it wants, and after loading every section's
 ``validate()`` (ranges, allowed names; see ``check``) runs, its error prefixed with the section's
 dotted path. Nothing runs on a config that failed.
@@ -31,14 +32,18 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def _set(obj, dotted: str, value: Any, origin: str) -> None:
+def _set(root, dotted: str, value: Any, origin: str) -> None:
+    """Set ``dotted`` (a key path from ``root``) to ``value``; a dict value sets a section's keys."""
     *path, last = dotted.split(".")
+    obj = root
     for part in path:
         if not dataclasses.is_dataclass(getattr(obj, part, None)):
+            _refuse_renamed(root, dotted, origin)
             raise KeyError(f"{origin}: '{dotted}': '{part}' is not a config section of {type(obj).__name__}")
         obj = getattr(obj, part)
     names = [f.name for f in dataclasses.fields(obj)]
     if last not in names:
+        _refuse_renamed(root, dotted, origin)
         raise KeyError(f"{origin}: unknown key '{dotted}'; {type(obj).__name__} has {names}")
     hint = get_type_hints(type(obj)).get(last)
     if dataclasses.is_dataclass(getattr(obj, last)):
@@ -47,9 +52,23 @@ def _set(obj, dotted: str, value: Any, origin: str) -> None:
             raise ValueError(f"{origin}: '{dotted}' is a config section, not a value; set its keys "
                              f"({', '.join(f'{dotted}.{k}' for k in keys)})")
         for k, v in value.items():
-            _set(getattr(obj, last), k, v, origin)
+            _set(root, f"{dotted}.{k}", v, origin)
         return
     setattr(obj, last, _typed(value, hint, f"{origin}: '{dotted}'"))
+
+
+def _refuse_renamed(root, dotted: str, origin: str) -> None:
+    """KeyError naming the new key when ``dotted`` is a key that a section along its path renamed
+    (its class's ``RENAMED_KEYS``: old key path relative to the section → new one)."""
+    parts, obj = dotted.split("."), root
+    for i in range(len(parts)):
+        new = getattr(type(obj), "RENAMED_KEYS", {}).get(".".join(parts[i:]))
+        if new is not None:
+            new = ".".join([*parts[:i], new])
+            raise KeyError(f"{origin}: '{dotted}' was renamed to '{new}' (e.g. {new}=…)")
+        obj = getattr(obj, parts[i], None)
+        if not dataclasses.is_dataclass(obj):
+            return
 
 
 def _typed(value, hint, where: str):
@@ -104,8 +123,9 @@ def validate(cfg, path: str = "") -> None:
     if hasattr(cfg, "validate"):
         try:
             cfg.validate()
-        except ValueError as e:
-            raise ValueError(f"{path}{e}" if path else str(e)) from None
+        except ValueError as e:      # a section may name itself ("EngineConfig.dtype …"): the path replaces that
+            message = str(e).removeprefix(f"{type(cfg).__name__}.") if path else str(e)
+            raise ValueError(f"{path}{message}" if path else message) from None
 
 
 def load(cls, path: str | Path | None = None, overrides: list[str] = ()):

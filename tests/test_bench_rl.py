@@ -17,7 +17,7 @@ from arbor.bench.rl import run_arbor
 from arbor.bench.rl_workloads import default_model, text_of_tokens, workload
 from arbor.cli import main
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.train.rl import RLConfig
+from arbor.train.config import RLConfig
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from arbor.cluster import ray_env  # noqa: E402
 from arbor.cluster.config import ClusterConfig, load_train_config, plain_rl_config  # noqa: E402
 from arbor.cluster.remote_engine import ClusterError, RemoteEngine  # noqa: E402
 from arbor.cluster.run import ClusterRun  # noqa: E402
-from arbor.cluster.trainer_rank import sampling_factory  # noqa: E402
+from arbor.train.run import sampling_factory  # noqa: E402
 from arbor.cluster.weights import digests  # noqa: E402
 from arbor.models import CausalLM, ModelConfig, load_model, save_model  # noqa: E402
 from arbor.models.tokenizer import builtin_tokenizer  # noqa: E402

@@ -7,8 +7,8 @@ from arbor.models.tokenizer import builtin_tokenizer
 from arbor.rollout.chat import env_turn_ids, model_turn_ids, prompt_ids, transcript_ids
 from arbor.rollout.tree import Node, RolloutTree, Segment
 from arbor.tasks import arithmetic as ar
-from arbor.train.tree_plan import first_fit_decreasing
-from arbor.train.rl import RLConfig
+from arbor.plan.packing import first_fit_decreasing
+from arbor.train.config import RLConfig
 
 
 def test_toml_and_overrides(tmp_path):
@@ -22,6 +22,36 @@ def test_toml_and_overrides(tmp_path):
         configs.load(RLConfig, None, ["loss.nope=1"])
     with pytest.raises(ValueError, match="key=value"):
         configs.load(RLConfig, None, ["steps"])
+
+
+@pytest.mark.parametrize("old,new", [("engine_dtype=bfloat16", "engine.dtype"), ("rollout.policy=pd-multiplex", "engine.policy"),
+                                     ("engine_noise_frac=0.5", "engine.logit_noise_frac")])
+def test_renamed_keys_name_their_new_key(tmp_path, old, new):
+    from arbor.cluster.config import ClusterRLConfig
+    from arbor.train.demo import DemoConfig
+    with pytest.raises(KeyError, match=f"'{old.split('=')[0]}' was renamed to '{new}'"):
+        configs.load(ClusterRLConfig, None, [old])
+    with pytest.raises(KeyError, match=f"'rl.{old.split('=')[0]}' was renamed to 'rl.{new}'"):
+        configs.load(DemoConfig, None, [f"rl.{old}"])
+    key, value = old.split("=")
+    section, _, name = key.rpartition(".")
+    f = tmp_path / "c.toml"                 # the same key in a TOML section
+    f.write_text((f"[{section}]\n" if section else "") + f'{name} = "{value}"\n')
+    with pytest.raises(KeyError, match=f"was renamed to '{new}'"):
+        configs.load(RLConfig, f)
+
+
+def test_engine_section_is_the_engine_config():
+    from arbor.train.config import engine_config
+    cfg = configs.load(RLConfig, None, ["engine.dtype=bfloat16", "engine.policy=pd-multiplex", "device=cpu",
+                                        "rollout.max_context=300", "engine.logit_noise=0.5"])
+    engine = engine_config(cfg)
+    assert (engine.dtype, engine.policy, engine.logit_noise, engine.max_model_len, engine.device) == \
+        ("bfloat16", "pd-multiplex", 0.5, 364, "cpu")
+    with pytest.raises(ValueError, match="engine.logit_noise_dist must be one of"):
+        configs.load(RLConfig, None, ["engine.logit_noise_dist=laplace"])
+    with pytest.raises(ValueError, match="engine.max_model_len is set from rollout.max_context"):
+        configs.load(RLConfig, None, ["engine.max_model_len=100"])
 
 
 def test_transcript_layout_matches_rollout_pieces():

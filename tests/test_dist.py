@@ -116,7 +116,7 @@ def test_two_rank_rl_run_saves_one_hf_folder_and_resumes(tmp_path):
     out = tmp_path / "out"
     common = [f"model={tmp_path / 'model'}", f"out={out}", "task=longtail", "groups_per_step=2", "checkpoint_every=1",
               "c3po.enabled=false", "rollout.max_turn_tokens=16", "rollout.max_context=120", "rollout.branch=[2]",
-              "dist.timeout_s=30", "rollout.policy=pd-multiplex", "dist.phase_groups=true"]   # P/D turnstile under EP
+              "dist.timeout_s=30", "engine.policy=pd-multiplex", "dist.phase_groups=true"]   # P/D turnstile under EP
     run = arbor_launch("train", "steps=2", *common)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -130,7 +130,7 @@ def test_two_rank_rl_run_saves_one_hf_folder_and_resumes(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     from arbor import configs
-    from arbor.train.rl import RLConfig
+    from arbor.train.config import RLConfig
     from arbor.train.run import train
     with pytest.raises(ValueError, match="written by 2 rank"):        # another world size is refused
         train(configs.load(RLConfig, None, ["steps=4", "log.progress=false", *common]))

@@ -11,7 +11,7 @@ from arbor import configs
 from arbor.models import save_model
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.dllm.sft import DiffusionModelConfig, build_model
-from arbor.train.rl import RLConfig
+from arbor.train.config import RLConfig
 from arbor.train.run import build_trainer, evaluate_folder
 
 TINY = DiffusionModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -11,7 +11,7 @@ import pytest
 
 from arbor import configs
 from arbor.models.expert_parallel import ExpertPlacement
-from arbor.train.rl import RLConfig
+from arbor.train.config import RLConfig
 from arbor.train.routepack_hook import PlanConfig, window_placements
 
 

@@ -1,4 +1,4 @@
-"""``engine_share_weights=false``: a float32 engine keeps its own (on CPU oneDNN-packed) copy of the
+"""``engine.share_weights=false``: a float32 engine keeps its own (on CPU oneDNN-packed) copy of the
 trainer's weights, so every sync must copy *and* repack it; the engine's log-probs then match the
 trainer's at the weights just trained, up to the packed GEMM's summation order."""
 
@@ -13,7 +13,9 @@ from arbor.engine import cpu_linear
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
 from arbor.tasks.registry import get_task
-from arbor.train.rl import C3POConfig, RLConfig, RLTrainer
+from arbor.engine.config import EngineConfig
+from arbor.train.config import C3POConfig, RLConfig, RLRolloutConfig, engine_config
+from arbor.train.rl import RLTrainer
 from arbor.train.run import make_engine
 
 from tests.float64_ref import engine_gap
@@ -48,7 +50,7 @@ def trajectories(trainer):
 
 def test_own_copy_is_refreshed_after_every_step(tiny, one_thread, monkeypatch):
     model, tok = tiny
-    trainer = make_trainer(config(engine_share_weights=False), model, tok)
+    trainer = make_trainer(config(engine=EngineConfig(share_weights=False)), model, tok)
     served = trainer.engine.engine.model
     assert served is not trainer.model
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(served.parameters(), trainer.model.parameters()))
@@ -71,27 +73,29 @@ def test_own_copy_trains_like_the_shared_engine(tiny, one_thread):
     model, tok = tiny
     rows = {}
     for share in (True, False):
-        trainer = make_trainer(config(engine_share_weights=share), model, tok)
+        trainer = make_trainer(config(engine=EngineConfig(share_weights=share)), model, tok)
         first = trajectories(trainer)
         rows[share] = [t.tokens for t in first]
     assert rows[True] == rows[False]
 
 
 def test_engine_share_weights_is_validated():
-    with pytest.raises(ValueError, match="engine_share_weights"):
-        config(engine_share_weights="no").validate()
+    from arbor import configs
+    with pytest.raises(ValueError, match="'engine.share_weights' must be bool"):
+        configs.load(RLConfig, None, ['engine.share_weights="no"'])
+    with pytest.raises(ValueError, match="share_weights must be true or false"):
+        config(engine=EngineConfig(share_weights="no"))
 
 
 def test_overlap_with_an_own_copy_trains_the_given_model(tiny, one_thread):
     """``rollout.overlap`` needs the engine to serve weights the optimizer cannot reach mid-rollout;
     an engine with its own copy already does, so the trainer trains the model it was given (no
     second copy) and each sync still refreshes the engine's."""
-    from arbor.train.rl import RLRolloutConfig
     model, tok = tiny
-    cfg = config(engine_share_weights=False,
+    cfg = config(engine=EngineConfig(share_weights=False),
                  rollout=RLRolloutConfig(max_turn_tokens=24, max_context=200, temperature=1.0, branch=[4], overlap=True))
     given = copy.deepcopy(model)
-    engine, sampling = make_engine(given, tok, max_model_len=264, share_weights=False)
+    engine, sampling = make_engine(given, tok, engine_config(cfg))
     trainer = RLTrainer(cfg, given, tok, engine, sampling, get_task(cfg.task))
     rows = [asyncio.run(trainer.train_step()) for _ in range(3)]
     assert trainer.model is given and trainer.engine.engine.model is not given

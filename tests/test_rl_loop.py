@@ -12,7 +12,8 @@ from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
-from arbor.train.rl import C3POConfig, RLConfig
+from arbor.engine.config import EngineConfig
+from arbor.train.config import C3POConfig, RLConfig
 from tests.float64_ref import engine_gap
 
 SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -117,8 +118,8 @@ def test_pd_multiplex_rollouts_equal_prefill_first(tiny):
     got = {}
     for policy in ("prefill-first", "pd-multiplex", "pd-global-enqueue"):
         trainer = make_trainer(config(rollout=RolloutConfig(max_turn_tokens=8, max_context=300, branch=[2, 2],
-                                                               temperature=0.0, end_on_truncation=False,
-                                                               policy=policy)), model, tok)
+                                                               temperature=0.0, end_on_truncation=False),
+                                      engine=EngineConfig(policy=policy)), model, tok)
         col = trainer.collector
 
         async def go():

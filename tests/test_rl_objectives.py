@@ -88,7 +88,7 @@ def test_engine_logprobs_equal_the_trainers_at_the_sampling_temperature(tiny, on
     ("rollout.branch=[2, 0]", "rollout.branch must be a non-empty list"),
     ("optim.lr=0", "optim.lr must be > 0"),
     ("loss.kl_estimator=k5", "loss.kl_estimator must be k1, k2 or k3"),
-    ("engine_noise_dist=laplace", "engine_noise_dist must be one of"),
+    ("engine.logit_noise_dist=laplace", "engine.logit_noise_dist must be one of"),
 ])
 def test_invalid_overrides_exit_2_with_the_key_named_before_anything_runs(tmp_path, override, message):
     run = subprocess.run([sys.executable, "-m", "arbor.cli", "train", f"out={tmp_path / 'never'}", override],

@@ -16,7 +16,7 @@ import torch
 from arbor.bench.rl_setup import make_trainer
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
-from arbor.train.rl import C3POConfig, RLConfig, RLRolloutConfig
+from arbor.train.config import C3POConfig, RLConfig, RLRolloutConfig
 
 from tests.float64_ref import engine_gap
 from tests.test_rl_loop import tiny  # noqa: F401  (the module-scoped tiny model fixture)

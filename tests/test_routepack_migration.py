@@ -31,7 +31,7 @@ def test_two_rank_rl_with_routepack_migrates_and_resumes(tmp_path):
     out = tmp_path / "out"
     common = [f"model={tmp_path / 'model'}", f"out={out}", "task=longtail", "groups_per_step=2", "checkpoint_every=1",
               "c3po.enabled=false", "rollout.max_turn_tokens=16", "rollout.max_context=120", "rollout.branch=[2]",
-              "dist.timeout_s=30", "plan.routepack=true", "plan.window=1", "engine_dtype=bfloat16",
+              "dist.timeout_s=30", "plan.routepack=true", "plan.window=1", "engine.dtype=bfloat16",
               "plan.move_s=0", "plan.move_layer_s=0"]   # moves free, whatever cost file this machine has
     run = arbor_launch("train", "steps=2", *common)
     assert run.returncode == 0, run.stdout + run.stderr

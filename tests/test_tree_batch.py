@@ -6,7 +6,8 @@ import torch
 from arbor.models.attention import ancestor_mask, tree_depths
 from arbor.models.tree_linear import plan_linear, tree_segments
 from arbor.train.tree_batch import TreeConfig, build_rows, build_tree, group_trajectories
-from arbor.train.tree_plan import assign_lpt, first_fit_decreasing, plan_rows
+from arbor.plan.packing import first_fit_decreasing
+from arbor.train.tree_plan import assign_lpt, plan_rows
 
 
 def random_group(seed, prefix=12, branches=(3, 2), seg=(3, 9), vocab=50):

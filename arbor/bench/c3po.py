@@ -16,7 +16,7 @@ from arbor.bench.rl_setup import make_trainer, tiny_model
 from arbor.rollout.collector import RolloutConfig
 from arbor.tasks.longtail import generate_problems
 from arbor.train.optim import OptimConfig
-from arbor.train.rl import C3POConfig, RLConfig
+from arbor.train.config import C3POConfig, RLConfig
 
 
 def run_until(trainer, samples: int) -> list[dict]:

@@ -91,7 +91,7 @@ def local_run(words: list[str]) -> dict:
     import torch
 
     from arbor import configs
-    from arbor.train.rl import RLConfig
+    from arbor.train.config import RLConfig
     from arbor.train.run import build_trainer
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

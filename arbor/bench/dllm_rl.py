@@ -23,10 +23,9 @@ import torch
 
 from arbor.bench.common import print_table, print_targets, target, write_result
 from arbor.models import load_model
-from arbor.dllm.ebpo import EBPOConfig
 from arbor.dllm.ebpo_trainer import EBPOTrainer
 from arbor.train.optim import OptimConfig
-from arbor.train.rl import RLConfig
+from arbor.train.config import EBPOConfig, RLConfig
 
 EVAL_SEED = 777          # the held-out problems, the same for every run
 

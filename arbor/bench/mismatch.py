@@ -24,15 +24,17 @@ from arbor.bench.rl_setup import make_trainer, tiny_model
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.losses import LossConfig
 from arbor.train.optim import OptimConfig
-from arbor.train.rl import C3POConfig, RLConfig
+from arbor.engine.config import EngineConfig
+from arbor.train.config import C3POConfig, RLConfig
 
 CURVES = ("reward", "grad_norm", "mismatch_abs", "masked_frac", "entropy", "skipped_steps")
 
 
 def rl_config(correction: str, seed: int, a) -> RLConfig:
     return RLConfig(task="longtail", seed=seed, device=a.device, steps=a.steps, groups_per_step=a.groups,
-                    checkpoint_every=0, engine_dtype="bfloat16", engine_logit_noise=a.noise,
-                    engine_noise_dist=a.noise_dist, engine_noise_frac=a.noise_frac, replay_routing=a.replay_routing,
+                    checkpoint_every=0, replay_routing=a.replay_routing,
+                    engine=EngineConfig(dtype="bfloat16", logit_noise=a.noise, logit_noise_dist=a.noise_dist,
+                                        logit_noise_frac=a.noise_frac),
                     ppo_epochs=a.ppo_epochs, mini_batches=a.mini_batches, loss=LossConfig(correction=correction),
                     rollout=RolloutConfig(max_turn_tokens=a.max_tokens, max_context=a.max_tokens + 64,
                                           temperature=1.0, branch=[4]),

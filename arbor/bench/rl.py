@@ -25,7 +25,7 @@ rollout on a thread of its own while this step trains, the torch threads split b
 rollout, and ``rollout_ahead_s`` the rollout's own time. ``--threads N`` below the CPUs this
 process may use also pins the whole bench (Arbor's threads and the TRL subprocess) to N CPUs, so
 that a thread budget is a core budget for every system, overlapped or not.
-``--engine-share-weights false`` (``engine_share_weights``) gives a float32 engine its own copy of
+``--engine-share-weights false`` (``engine.share_weights=false``) gives a float32 engine its own copy of
 the weights (oneDNN-packed on CPU), copied and repacked at every sync, instead of the trainer's.
 """
 
@@ -75,23 +75,25 @@ def cpu_budget(n: int):
 
 
 def arbor_trainer(model_dir, w: Workload, steps: int, engine_dtype: str, device: str, seed: int = 0,
-                  overlap: bool = False, **overrides):
+                  overlap: bool = False, share_weights: bool = True, **overrides):
     """The RL trainer of ``arbor train`` on ``model_dir`` and workload ``w`` (``overrides``: RLConfig fields)."""
+    from arbor.engine.config import EngineConfig
     from arbor.models import load_model
     from arbor.models.tokenizer import Tokenizer
-    from arbor.train.rl import C3POConfig, RLConfig, RLRolloutConfig, RLTrainer
+    from arbor.train.config import C3POConfig, RLConfig, RLRolloutConfig, engine_config
+    from arbor.train.rl import RLTrainer
     from arbor.train.run import make_engine
     torch.manual_seed(seed)
     model = load_model(model_dir, dtype=torch.float32, device=device)
     tok = Tokenizer.load(model_dir)
     cfg = RLConfig(model=str(model_dir), task=f"bench-{w.name}", seed=seed, device=device, steps=steps + 1,
-                   groups_per_step=w.prompts, checkpoint_every=0, engine_dtype=engine_dtype,
+                   groups_per_step=w.prompts, checkpoint_every=0,
+                   engine=EngineConfig(dtype=engine_dtype, share_weights=share_weights),
                    c3po=C3POConfig(enabled=False),
                    rollout=RLRolloutConfig(max_turn_tokens=w.new_tokens, max_context=w.max_context, branch=list(w.branch),
                                            end_on_truncation=False, overlap=overlap), **overrides)
     cfg.validate()
-    engine, sampling = make_engine(model, tok, engine_dtype, device, max_model_len=w.max_context + 64,
-                                   share_weights=cfg.engine_share_weights)
+    engine, sampling = make_engine(model, tok, engine_config(cfg))
     return RLTrainer(cfg, model, tok, engine, sampling, make_task(w, tok))
 
 
@@ -158,12 +160,13 @@ def merge_rounds(runs: list[dict]) -> dict:
 
 
 def run(out_dir="bench_results", model=None, workloads=("trl", "agentic"), steps=3, threads=0, engine_dtype="float32",
-        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, rounds=1, overlap="off", **overrides) -> dict:
+        device="cpu", trl="auto", prompts=None, trl_timeout=1200.0, rounds=1, overlap="off", share_weights=True,
+        **overrides) -> dict:
     if threads:
         torch.set_num_threads(threads)
     with cpu_budget(threads) as cpus:
         return _run(Path(out_dir), model, workloads, steps, engine_dtype, device, trl, prompts, trl_timeout, rounds,
-                    overlap, len(cpus), **overrides)
+                    overlap, len(cpus), share_weights=share_weights, **overrides)
 
 
 def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts, trl_timeout, rounds, overlap, cpus,
@@ -176,7 +179,7 @@ def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts,
         raise SystemExit("--trl on: the trl package is not importable (pip install trl)")
     result = {"config": {"model": str(model_dir), "steps": steps, "rounds": rounds, "threads": threads,
                          "engine_dtype": engine_dtype, "device": device, "trl": has_trl, "overlap": overlap,
-                         "cpus": cpus, "engine_share_weights": overrides.get("engine_share_weights", True)},
+                         "cpus": cpus, "engine_share_weights": overrides.get("share_weights", True)},
               "workloads": {}}
     rows, targets = [], []
     for name in workloads:
@@ -211,7 +214,7 @@ def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts,
             entry["overlap_speedup"] = median([y["tokens_per_s"] / x["tokens_per_s"]
                                                for x, y in zip(arbor_runs[False], arbor_runs[True])])
         result["workloads"][name] = entry
-    own = "" if overrides.get("engine_share_weights", True) else " (own copy)"
+    own = "" if overrides.get("share_weights", True) else " (own copy)"
     print_table(f"one RL step, {device}, {threads} threads, engine {engine_dtype}{own}, median of {steps} steps"
                 + (f" × {rounds} rounds (ratio: median of the rounds' ratios)" if rounds > 1 else ""),
                 ["system", "s/step", "rollout ms", "recompute ms", "train ms", "sync ms", "trained tok/s", "÷ TRL"], rows)
@@ -249,7 +252,7 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--engine-share-weights", default="true", choices=["true", "false"],
-                   help="false: the engine keeps its own copy even in float32 (oneDNN-packed on CPU; engine_share_weights)")
+                   help="false: the engine keeps its own copy even in float32 (oneDNN-packed on CPU; engine.share_weights)")
     p.add_argument("--prompts", type=int, help="groups per step (default: 8 for trl, 2 for agentic)")
     p.add_argument("--trl", default="auto", choices=["auto", "on", "off"],
                    help="run TRL's GRPOTrainer for the ratio (auto: when trl is importable)")
@@ -272,4 +275,4 @@ def main(args) -> None:
     run(out_dir=args.out, model=args.model, workloads=workloads, steps=steps, threads=args.threads,
         engine_dtype=args.engine_dtype, device=args.device, trl=args.trl, prompts=args.prompts,
         trl_timeout=args.trl_timeout, rounds=args.rounds, overlap=args.overlap,
-        engine_share_weights=args.engine_share_weights == "true")
+        share_weights=args.engine_share_weights == "true")

@@ -10,7 +10,8 @@ from arbor.models import CausalLM
 from arbor.models.presets import preset_config
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.tasks.registry import get_task
-from arbor.train.rl import RLConfig, RLTrainer
+from arbor.train.config import RLConfig, engine_config
+from arbor.train.rl import RLTrainer
 from arbor.train.run import make_engine
 
 
@@ -23,7 +24,5 @@ def tiny_model(preset: str = "tiny", seed: int = 0, device="cpu"):
 def make_trainer(cfg: RLConfig, model, tok) -> RLTrainer:
     """A trainer on its own copy of ``model`` (so runs compared side by side start equal)."""
     model = copy.deepcopy(model)
-    engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
-                                   cfg.rollout.max_context + 64, None, cfg.engine_noise_dist, cfg.engine_noise_frac,
-                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers, cfg.engine_share_weights)
+    engine, sampling = make_engine(model, tok, engine_config(cfg))
     return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task))

@@ -6,7 +6,7 @@ Beside ``arbor.cli``: it drives ``arbor.train`` and ``arbor.engine`` and is impo
 
 - ``config``: ``ClusterConfig`` (the ``cluster.*`` keys) and ``ClusterRLConfig`` = ``RLConfig`` + it.
 - ``run``: the driver (``train(cfg)``, ``ClusterRun``): placement groups, actors, waiting, cleanup.
-- ``trainer_rank``: a trainer rank actor running the unchanged ``RLTrainer``.
+- ``trainer_rank``: a trainer rank actor running the ordinary ``RLTrainer``.
 - ``remote_engine``: ``RemoteEngine``, the engine interface the loop uses, over the replicas
   (load balancing by in-flight tokens, re-submission on replica death, weight publishing).
 - ``replica``: an engine replica actor (``AsyncLLMEngine``), versioned weights.

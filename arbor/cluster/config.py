@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from arbor.configs import check
-from arbor.train.rl import RLConfig
+from arbor.train.config import RLConfig
 
 BACKENDS = ("none", "ray")
 WEIGHT_SYNCS = ("store", "broadcast")

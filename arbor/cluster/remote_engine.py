@@ -1,8 +1,8 @@
-"""``RemoteEngine``: the ``AsyncLLMEngine`` interface of the RL loop, served by engine-replica actors.
+"""``RemoteEngine``: an ``EngineClient`` (``arbor.engine.client``) served by engine-replica actors.
 
 The collector and the trainer use an engine through ``generate(prompt_ids, params)`` (an async
 stream of cumulative ``Completion`` snapshots), ``session()`` and ``update_weights(state_dict)``;
-this class offers exactly those, so ``RLTrainer`` runs unchanged on Ray.
+this class offers those (with ``abort`` and ``stats``), so ``RLTrainer`` runs unchanged on Ray.
 
 Load balancing: each request goes to the live replica with the fewest in-flight tokens of this
 client (prompt + tokens already generated + tokens still allowed, per request until it ends). Each
@@ -157,6 +157,12 @@ class RemoteEngine:
     def abort(self, request_id: str) -> None:
         """Streams end (and abort on their replica) when closed; nothing is queued here by id."""
 
+    def stats(self) -> dict:
+        """This client's view: replica slots, those down, in-flight tokens per slot, weight version,
+        requests re-submitted after a replica died (no call to the replicas)."""
+        return {"replicas": len(self.slots), "down": len(self.down), "load": list(self.load),
+                "version": self.version, "resubmitted": self.resubmitted}
+
     # ---- weights -----------------------------------------------------------------------
     def update_weights(self, named_tensors) -> float:
         """One sync (every trainer rank calls it once per step). → seconds (the publisher's transfer)."""
@@ -164,7 +170,7 @@ class RemoteEngine:
         self.refresh()
         hf = self.ctx is not None and self.ctx.ep_size > 1
         if hf:
-            from arbor.models.expert_parallel import gather_hf_tensors
+            from arbor.models.checkpoint import gather_hf_tensors
             named_tensors = gather_hf_tensors(self.model, self.ctx)
         self.version += 1
         if not self.publisher:

@@ -5,8 +5,8 @@ model folder in the engine's dtype, so a fresh replica serves the run's initial 
 until it is given newer ones.
 
 Each client (one ``RemoteEngine``, i.e. one trainer rank) talks to a replica through two calls,
-whatever the number of requests in flight (a Ray call costs about a millisecond of CPU on each side,
-so per-request calls and streams made a replica's rollout up to 2.6× the in-process engine's):
+whatever the number of requests in flight (every Ray call costs CPU time on both sides, so the calls
+per engine step must not grow with the number of requests):
 - ``submit(client, requests, aborts)`` queues many requests at once and aborts others;
 - ``poll(client, seq)`` answers, for every request of that client with something new, one ``Chunk``:
   the tokens and log-probs new since the last answer, and the routed-expert rows from the one before

@@ -30,15 +30,12 @@ from arbor.cluster.manager import ReplicaManager, actor_options
 from arbor.cluster.remote_engine import ClusterError
 from arbor.cluster.replica import ReplicaSpec
 from arbor.cluster.trainer_rank import TrainerRank
+from arbor.train.config import engine_config
 
 
 def replica_spec(rl, c) -> ReplicaSpec:
-    """The engine of every replica: the RL config's engine keys, as ``arbor.train.run.make_engine``."""
-    engine = dict(dtype=rl.engine_dtype, device=rl.device, logit_noise=rl.engine_logit_noise,
-                  max_model_len=rl.rollout.max_context + 64, logit_noise_dist=rl.engine_noise_dist,
-                  logit_noise_frac=rl.engine_noise_frac, policy=rl.rollout.policy,
-                  pd_segment_layers=rl.rollout.pd_segment_layers)
-    return ReplicaSpec(rl.model, engine, 1, c.stream_interval_ms / 1e3)
+    """The engine of every replica: the RL run's ``engine_config`` (as in one process)."""
+    return ReplicaSpec(rl.model, dataclasses.asdict(engine_config(rl)), 1, c.stream_interval_ms / 1e3)
 
 
 class ClusterRun:
@@ -50,11 +47,7 @@ class ClusterRun:
     def start(self) -> "ClusterRun":
         import ray
 
-        from arbor.models import ModelConfig
         c = self.c
-        if ModelConfig.from_file(self.rl.model).is_block_diffusion:
-            raise ValueError("cluster.backend=ray runs autoregressive models; block-diffusion RL (EBPO) runs in "
-                             "one process or under `arbor launch`")
         self.out.mkdir(parents=True, exist_ok=True)
         self.started = ray_env.start(c, self.out)
         self.layout = placement.place(c)

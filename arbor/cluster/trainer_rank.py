@@ -3,7 +3,7 @@
 The driver creates ``trainers`` of these, asks rank 0 for an address (``address``), then calls
 ``setup`` on all of them at once: each sets torchrun's variables (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK=0`` — Ray shows an actor only its own GPUs) and joins
-the trainer group through ``arbor.dist.init_distributed``, so data and expert parallelism, the loss
+the trainer group through ``arbor.distributed.init_distributed``, so data and expert parallelism, the loss
 normalisation over ranks, rank 0's logging and the per-rank checkpoints are exactly those of
 ``arbor launch -n M train``. ``run`` then trains to ``steps`` (resuming from ``OUT/checkpoint``), plots
 and saves ``OUT/final`` as ``arbor train`` does.
@@ -20,20 +20,6 @@ import socket
 from pathlib import Path
 
 import torch
-
-
-def sampling_factory(tokenizer, moe: bool):
-    """The collector's sampling(max_tokens, temperature, top_p, seed, ignore_eos) → SamplingParams,
-    as ``arbor.train.run.make_engine`` builds it for a local engine."""
-    from arbor.engine import SamplingParams
-    eos = tokenizer.eos_token_id
-
-    def sampling(max_tokens, temperature, top_p, seed, ignore_eos=False):
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                              stop_token_ids=[] if ignore_eos else [eos], ignore_eos=ignore_eos,
-                              return_routed_experts=moe)
-
-    return sampling
 
 
 class TrainerRank:
@@ -62,6 +48,7 @@ class TrainerRank:
         from arbor.models.tokenizer import Tokenizer
         from arbor.tasks.registry import get_task
         from arbor.train.rl import RLTrainer
+        from arbor.train.run import sampling_factory
         torch.set_num_threads(max(1, threads))
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
@@ -78,12 +65,13 @@ class TrainerRank:
 
     def run(self) -> list[dict]:
         """Train to ``cfg.steps``; rank 0 plots; every rank joins the final save. → rank 0's rows."""
+        from arbor.train.checkpoint import save_trainer
         from arbor.train.run import plot_history
         history = asyncio.run(self.trainer.run())
         out = Path(self.cfg.out)
         if self.trainer.ctx.is_main:
             plot_history(history, out / "reward.png", f"{self.cfg.task} RL (Ray)")
-        self.trainer.save(out / "final")
+        save_trainer(out / "final", self.trainer)
         return history if self.trainer.ctx.is_main else []
 
     def progress(self) -> dict:

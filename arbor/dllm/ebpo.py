@@ -35,17 +35,16 @@ field — averaged per sample over its units, then over samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from arbor.configs import check
 from arbor.models import BlockDiffusionAttention
 from arbor.models.rows import take_rows
+from arbor.train.config import EBPO_ESTIMATORS as ESTIMATORS
 from arbor.train.losses import LossConfig, policy_loss
 
-ESTIMATORS = ("ebpo", "mean_field")
 
 
 @dataclass
@@ -225,25 +224,3 @@ def ebpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, a
     adv = advantages.to(logp.device, lp.dtype)[seq]
     cfg = replace(cfg, correction="none", kl_coef=0.0)
     return policy_loss(lp, old, old, adv, torch.ones_like(lp), seq, num_seqs or S, cfg)
-
-
-@dataclass
-class EBPOConfig:
-    """The ``dllm`` section of ``arbor train``: what changes when the model is a block-diffusion LM."""
-    estimator: str = "ebpo"              # ebpo (block ELBO ratio) | mean_field (d1 / diffu-GRPO baseline)
-    group_size: int = 8                  # rollouts per prompt (GRPO group)
-    levels: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])   # EBPO masking levels t_n
-    prompt_mask_prob: float = 0.15       # mean field: prompt tokens masked w.p. this
-    mode: str = "quality"                # rollout decoder: quality | speed | threshold
-    temperature: float = 1.0             # rollout sampling temperature (0: greedy, groups identical)
-    eval_mode: str = "quality"           # held-out decoding (greedy)
-
-    def validate(self) -> None:
-        modes = ("quality", "speed", "threshold")
-        check(self, (self.estimator in ESTIMATORS, "estimator", f"must be one of {ESTIMATORS}"),
-              (self.group_size >= 2, "group_size", "must be ≥ 2"),
-              (bool(self.levels) and all(0 < t <= 1 for t in self.levels), "levels", "must be a non-empty list in (0, 1]"),
-              (0 <= self.prompt_mask_prob < 1, "prompt_mask_prob", "must be in [0, 1)"),
-              (self.mode in modes, "mode", f"must be one of {modes}"),
-              (self.eval_mode in modes, "eval_mode", f"must be one of {modes}"),
-              (self.temperature >= 0, "temperature", "must be ≥ 0"))

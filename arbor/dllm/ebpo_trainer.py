@@ -1,7 +1,7 @@
 """``arbor train`` on a block-diffusion model: GRPO-style RL with EBPO's block-ELBO ratio (or the
-mean-field baseline), sharing the RL loop's config (``RLConfig`` with its ``dllm`` section), run
-logger (``RunLog``), checkpoints and resume (``save_state`` / ``load_state``) and its
-``run / save / load / evaluate`` shape, so ``arbor train`` and ``arbor eval`` drive either trainer.
+mean-field baseline), sharing the RL job's config (``RLConfig`` with its ``dllm`` section), the trainer loop
+(``arbor.train.rl.rl_run``: ``RunLog``, checkpoints and resume) and its ``run / evaluate`` shape, so
+``arbor train`` and ``arbor eval`` drive either trainer.
 
 One step:
   1. ``groups_per_step`` training problems of the task (a diffusion task: sudoku, countdown,
@@ -21,7 +21,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -29,9 +28,9 @@ from arbor.distributed import DistContext
 from arbor.dllm.decoding import DecodeConfig, diffusion_generate, mode_config
 from arbor.train.advantages import group_advantages
 from arbor.dllm.ebpo import draw_noise, ebpo_loss, unit_logprobs
-from arbor.train.loop import load_state, save_state, settings_of
+from arbor.train.checkpoint import settings_of
 from arbor.train.optim import make_optimizer, optimizer_step
-from arbor.train.rl import train_loop
+from arbor.train.rl import rl_run
 
 STATS = ("clip_low", "clip_high", "dual_clip_frac", "approx_kl")
 
@@ -130,28 +129,25 @@ class EBPOTrainer:
                           "tpf": sum(r.num_tokens for r in results) / max(1, sum(r.forwards for r in results))}
         return self.last_eval["accuracy"]
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def save(self, folder: Path) -> None:
-        save_state(folder, self.model, self.optimizer, tokenizer=self.tok, state={
-            "step": self.step, "next_problem": self.next_problem, "history": self.history,
-            "python_rng": random.getstate(), "settings": settings_of(self.cfg)}, ctx=self.ctx)
+    # ---- checkpoints (arbor.train.checkpoint) ---------------------------------------------
+    @property
+    def settings(self) -> dict:
+        return settings_of(self.cfg)
 
-    def load(self, folder: Path) -> bool:
-        """Resume from ``folder``'s checkpoint; False (nothing changed) when there is none."""
-        s = load_state(folder, self.model, self.optimizer, settings_of(self.cfg), self.ctx)
-        if s is None:
-            return False
-        self.step, self.next_problem, self.history = s["step"], s["next_problem"], s["history"]
+    def state_dict(self) -> dict:
+        return {"next_problem": self.next_problem, "python_rng": random.getstate()}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.next_problem = s["next_problem"]
         random.setstate(s["python_rng"])
-        return True
 
     async def eval_row(self) -> dict:
-        """Held-out accuracy and tokens per forward, every ``eval_every`` steps of ``train_loop``."""
+        """Held-out accuracy and tokens per forward, every ``eval_every`` steps of the loop."""
         return {"test_accuracy": await self.evaluate(), "test_tpf": self.last_eval["tpf"]}
 
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
-        """Train to ``cfg.steps`` with the RL loop (``arbor.train.rl.train_loop``)."""
-        return await train_loop(self, "ebpo", on_row, stop_after)
+        """Train to ``cfg.steps`` with the RL jobs' loop (``arbor.train.rl.rl_run``)."""
+        return await rl_run(self, "ebpo", on_row, stop_after)
 
 
 def build_ebpo_trainer(cfg) -> EBPOTrainer:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from arbor.models import CausalLM, ModelConfig
 from arbor.models.rows import take_rows
 from arbor.tasks.registry import DIFFUSION_TASKS
-from arbor.train.loop import train_loop
+from arbor.train.loop import BatchTrainer
 from arbor.train.optim import OptimConfig
 from arbor.train.run_log import LogConfig, RunLog
 
@@ -184,7 +184,7 @@ def diffusion_loss(model, samples) -> torch.Tensor:
 def train_diffusion(model, examples: list[Example], cfg: DiffusionTrainConfig, on_log=None, until=None,
                     checkpoint_dir=None, run_log=None) -> list[dict]:
     """Masked-diffusion SFT in place (see module docstring), resuming from ``checkpoint_dir`` when it
-    holds a checkpoint (``arbor.train.loop``); returns the logged metrics."""
+    holds a checkpoint (``arbor.train.loop.BatchTrainer``); returns the logged metrics."""
     mask_id, B = model.config.mask_token_id, model.config.block_size
     noise_ids = sorted({t for e in examples for t in e.response})
 
@@ -197,7 +197,7 @@ def train_diffusion(model, examples: list[Example], cfg: DiffusionTrainConfig, o
         loss.backward()
         return {"loss": loss.detach(), "tokens": sum(len(s[0]) for s in samples)}
 
-    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, run_log=run_log)
+    return BatchTrainer(model, cfg, step).run(on_log, until, checkpoint_dir, run_log)
 
 
 def train_from_config(cfg: DiffusionTrainConfig, out_dir=None, on_log=None):

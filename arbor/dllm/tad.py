@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from arbor.dllm.decoding import DecodeConfig, diffusion_generate
 from arbor.dllm.sft import Example, PaddedBlockAttention
-from arbor.train.loop import settings_of, train_loop
+from arbor.train.checkpoint import settings_of
+from arbor.train.loop import BatchTrainer
 from arbor.train.optim import OptimConfig
 from arbor.train.run_log import LogConfig, RunLog
 
@@ -165,7 +166,7 @@ def _forward_rows(model, prompts, states, regions):
 def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=None, on_log=None, until=None,
             checkpoint_dir=None, settings=None, run_log=None) -> list[dict]:
     """Train ``student`` in place on TAD pairs; ``teacher`` defaults to a frozen copy of it. Resumes
-    from ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``)."""
+    from ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop.BatchTrainer``)."""
     teacher = teacher if teacher is not None else copy.deepcopy(student)
     teacher.eval().requires_grad_(False)
     mask_id, B = student.config.mask_token_id, student.config.block_size
@@ -190,7 +191,7 @@ def distill(student, trajectories: list[Trajectory], cfg: TADConfig, teacher=Non
         parts["loss"].backward()
         return {**{k: v.detach() for k, v in parts.items()}, "tokens": int(sel(5).numel())}
 
-    return train_loop(student, cfg, step, on_log, until, checkpoint_dir, settings, run_log=run_log)
+    return BatchTrainer(student, cfg, step, settings).run(on_log, until, checkpoint_dir, run_log)
 
 
 def teacher_trajectories(teacher, tokenizer, tasks: list[str], per_task: int, seed: int = 0) -> list[Trajectory]:

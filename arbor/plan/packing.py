@@ -102,6 +102,9 @@ def best_fit_decreasing(sizes: list[int], cap: int, order: list[int] | None = No
 
 
 def first_fit_decreasing(sizes: list[int], cap: int) -> list[list[int]]:
+    """→ rows of item indices: items in decreasing size (ties by index), each into the first row it
+    fits, else a new row. Every index appears exactly once; an item above ``cap`` gets a row of its
+    own (the trainer's micro-batches: a sample longer than the cap still trains)."""
     rows, rooms = [], []
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         for r, room in enumerate(rooms):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
-from arbor.train.rl import C3POConfig, RLConfig
+from arbor.train.config import C3POConfig, RLConfig, engine_config
 from arbor.train.run_log import LogConfig
 from arbor.train.sft import SFTConfig, SFTRunConfig
 
@@ -65,10 +65,7 @@ def demo(cfg: DemoConfig) -> dict:
     def trainer_for(model, tok) -> RLTrainer:
         """One engine (sharing the model's tensors) and trainer, for the SFT checks and for RL."""
         if "trainer" not in built:
-            engine, sampling = make_engine(model, tok, cfg.rl.engine_dtype, cfg.rl.device,
-                                           max_model_len=cfg.rl.rollout.max_context + 64,
-                                           policy=cfg.rl.rollout.policy, pd_segment_layers=cfg.rl.rollout.pd_segment_layers,
-                                           share_weights=cfg.rl.engine_share_weights)
+            engine, sampling = make_engine(model, tok, engine_config(cfg.rl))
             built["trainer"] = RLTrainer(cfg.rl, model, tok, engine, sampling, get_task(cfg.rl.task))
         return built["trainer"]
 

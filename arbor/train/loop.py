@@ -1,228 +1,146 @@
-"""The optimizer-step loop of SFT, masked-diffusion SFT and TAD, with resumable checkpoints.
+"""The one trainer loop: SFT, masked-diffusion SFT, TAD, RL and EBPO all run through ``run_loop``.
 
-Each step: ``step_fn(rng)`` draws a batch with ``rng`` (a ``random.Random(cfg.seed)``), runs forward
-and backward, and returns the quantities to log; then ``optimizer_step`` clips and takes the
-scheduled AdamW step. Every ``cfg.checkpoint_every`` steps (and after the last) the loop writes
-``checkpoint_dir`` (crash-safe: see ``save_state``): the model (HF layout), the optimizer state, the
-step, ``rng``'s and torch's random states, the logged history and the config. Started again with a
-checkpoint there, it resumes from it; a checkpoint written with other settings (anything but
-``RESUMABLE_CHANGES``) is refused with an error naming them.
+A trainer (``Trainer``) does one training step per ``train_step()`` (its own forward, backward and
+optimizer step(s)) and returns that step's metric row; the loop owns everything around the steps:
 
-Invariant: a run stopped anywhere and started again with the same config ends with the same
-weights and history, bit for bit, as one that never stopped (tests/test_train_resume.py).
+1. resume (unless ``resume=False``): with a ``checkpoint`` folder that holds a checkpoint of the same settings, the trainer
+   is restored from it (``arbor.train.checkpoint.load_trainer``); ``run_log.start`` then opens the
+   logs at the step resumed from;
+2. per step: ``train_step()`` (awaited when it returns an awaitable); every ``eval_every`` steps
+   ``eval_row()`` joins the row; ``until(step)`` may end training after this step (on several ranks
+   every rank stops when one asks); every ``log_every`` steps, after the last and at a stop, the row
+   goes to ``run_log`` (``OUT/metrics.jsonl``, TensorBoard, …), to ``trainer.history`` and, on the
+   main rank, to ``on_row``;
+3. a checkpoint every ``checkpoint_every`` steps and after the last (``save_trainer``: crash-safe).
+
+Invariant: a run stopped anywhere (even killed mid-checkpoint) and started again with the same
+config ends with the same weights and history, bit for bit, as one that never stopped
+(tests/test_train_resume.py, tests/test_rl_loop.py, tests/test_cli_determinism.py).
+
+``BatchTrainer`` is the trainer of the supervised jobs (SFT, masked-diffusion SFT, TAD): a batch
+function ``step_fn(rng)`` plus one AdamW step; ``RLTrainer`` and ``EBPOTrainer`` are the RL ones.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import inspect
 import random
-import shutil
 from pathlib import Path
-
-import torch
+from typing import Awaitable, Callable, Protocol
 
 from arbor.distributed import DistContext
+from arbor.train.checkpoint import load_trainer, save_trainer, settings_of
 from arbor.train.optim import make_optimizer, optimizer_step
 
-RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out",
-                     "timeout_s", "log")
+
+class Trainer(Protocol):
+    """What ``run_loop`` drives (``model``, ``optimizer``, ``tok`` and ``settings`` are what its
+    checkpoints hold; ``tok`` may be None)."""
+    step: int                     # steps done = the index of the next step
+    history: list[dict]           # the rows logged so far (part of every checkpoint)
+    ctx: DistContext
+    model: object
+    optimizer: object
+    tok: object
+    settings: dict                # what a checkpoint must match to be resumed (``settings_of``)
+
+    def train_step(self) -> dict | Awaitable[dict]:
+        """Run step ``self.step`` and count it; → its row (``{"step": index, metric: value, …}``)."""
+
+    def state_dict(self) -> dict:
+        """The trainer's own state for a checkpoint (beyond model, optimizer, torch RNGs, step, history)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s state (model and optimizer are loaded already)."""
 
 
-def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=None) -> None:
-    """Write model + ``trainer.pt`` (optimizer, torch's CPU and CUDA RNGs, ``state``) to ``folder``.
+async def run_loop(trainer: Trainer, steps: int, *, checkpoint: Path | None = None, checkpoint_every: int = 0,
+                   resume: bool = True, log_every: int = 1, eval_every: int = 0, run_log=None, on_row=None,
+                   until: Callable[[int], bool] | None = None) -> list[dict]:
+    """Train ``trainer`` to ``steps`` steps (module docstring); → ``trainer.history``.
 
-    Crash-safe: the new checkpoint is written whole to ``folder.tmp`` (``trainer.pt`` last, by a
-    rename), then the old one is invalidated (its ``trainer.pt`` removed first), deleted, and the new
-    one renamed into place; at any moment ``folder`` or ``folder.tmp`` holds a complete checkpoint,
-    which ``load_state`` finds.
-
-    On several ranks (``ctx``; collective): the model is one ordinary HF folder (experts gathered),
-    each rank's optimizer state, RNGs and ``state`` go to ``rank{r}.pt``, and rank 0 writes
-    ``trainer.pt`` ({world_size, settings}) last and moves the folders. An expert-parallel model's
-    per-layer expert placement is saved with each rank's state and re-applied by ``load_state``
-    before the weights and the optimizer's slot-indexed moments are loaded (a migrated placement
-    resumes as it was)."""
-    from arbor.models import save_model
-    folder, ctx = Path(folder), ctx or DistContext.single()
-    tmp = _tmp(folder)
-    tensors = None
-    if ctx.ep_size > 1:
-        from arbor.models.expert_parallel import gather_hf_tensors
-        tensors = gather_hf_tensors(model, ctx)
-    if ctx.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        save_model(model, tmp / "model", tokenizer=tokenizer, tensors=tensors)
-    ctx.barrier("checkpoint: model written")
-    mine = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **state}
-    placements = _placements(model)
-    if placements:                    # expert slots (and the optimizer's slot-indexed moments) follow these
-        mine["ep_placements"] = placements
-    if ctx.distributed:
-        torch.save(mine, tmp / f"rank{ctx.rank}.pt")
-        ctx.barrier("checkpoint: rank states written")
-        mine = {"settings": state["settings"], "world_size": ctx.world_size}
-    if ctx.is_main:
-        mine["checksums"] = _checksums(tmp)
-        torch.save(mine, tmp / "trainer.part")
-        (tmp / "trainer.part").rename(tmp / "trainer.pt")
-        if folder.exists():
-            (folder / "trainer.pt").unlink(missing_ok=True)
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    ctx.barrier("checkpoint: moved into place")
-
-
-def _placements(model) -> dict:
-    """Each MoE layer's expert placement of an expert-parallel model ({} otherwise), as plain lists."""
-    from arbor.models.expert_migration import placements_of
-    return {m: {"rank_of": p.rank_of, "slot_of": p.slot_of, "ep_size": p.ep_size}
-            for m, p in placements_of(model).items()}
-
-
-def _tmp(folder: Path) -> Path:
-    return folder.with_name(folder.name + ".tmp")
-
-
-def _checksums(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a checkpoint but ``trainer.pt`` (which records them), by relative path."""
-    import hashlib
-    out = {}
-    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in ("trainer.pt", "trainer.part")):
-        h = hashlib.sha256()
-        with f.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        out[str(f.relative_to(folder))] = h.hexdigest()
-    return out
-
-
-def _verify(folder: Path, recorded: dict[str, str] | None) -> None:
-    """Refuse a checkpoint whose files differ from what ``save_state`` wrote (corrupted, truncated,
-    missing), naming the first such file. Checkpoints of older versions carry no checksums."""
-    if recorded is None:
-        return
-    now = _checksums(folder)
-    for name, digest in recorded.items():
-        if now.get(name) != digest:
-            what = "is missing" if name not in now else "is corrupted or truncated (its checksum differs from the one saved)"
-            raise ValueError(f"{folder / name} {what}; delete {folder} to start over, or restore that file")
-
-
-def _load(path: Path) -> dict:
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:   # a truncated or overwritten pickle raises anything from EOFError to UnpicklingError
-        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e}); the checkpoint is damaged — delete "
-                         f"{path.parent} to start over") from None
-
-
-def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict | None:
-    """Load ``save_state``'s model weights, optimizer state and torch RNGs; → the rest of the state, or
-    None when ``folder`` holds no checkpoint. Raises, changing nothing, when the checkpoint's
-    ``settings`` differ from ``settings`` (see ``settings_of``), it was written by another number of
-    ranks, or it comes from an older layout. Collective on several ranks."""
-    from arbor.models.checkpoint import from_hf_tensors, own_tensor_filter, read_tensors
-    folder, ctx = Path(folder), ctx or DistContext.single()
-    if ctx.is_main and not (folder / "trainer.pt").exists() and (_tmp(folder) / "trainer.pt").exists():
-        if folder.exists():                       # save_state stopped between its last two moves
-            shutil.rmtree(folder)
-        _tmp(folder).rename(folder)
-    ctx.barrier("checkpoint: find")
-    if not (folder / "trainer.pt").exists():
-        return None
-    state = _load(folder / "trainer.pt")
-    _verify(folder, state.get("checksums"))
-    saved_world = state.get("world_size", 1)
-    if saved_world != ctx.world_size:
-        raise ValueError(f"{folder} holds a checkpoint written by {saved_world} rank(s) and this run has "
-                         f"{ctx.world_size}; resume it with the same number of ranks (`arbor launch -n {saved_world} "
-                         f"...`{' or without launch' if saved_world == 1 else ''}), or delete {folder} to start over")
-    if ctx.distributed:
-        state = {**_load(folder / f"rank{ctx.rank}.pt"), "settings": state["settings"]}
-    missing = sorted({"optimizer", "torch_rng", "cuda_rng", "settings"} - state.keys())
-    if missing:
-        raise ValueError(f"{folder} holds a checkpoint that this version of Arbor cannot resume (it lacks "
-                         f"{', '.join(missing)}); delete {folder} to start over")
-    _check_same_settings(folder, state["settings"], settings)
-    if state.get("ep_placements"):    # a migrated placement: relabel first, so weights and moments land in place
-        from arbor.models.expert_migration import set_placement
-        set_placement(model, state.pop("ep_placements"))
-    weights = from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model)
-    bad = next((name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
-    if bad is not None:
-        raise ValueError(f"{folder / 'model'}: tensor '{bad}' holds NaN or inf values; this checkpoint cannot be "
-                         f"resumed — delete {folder} (or restore an earlier one) to start over")
-    model.load_state_dict(weights)
-    optimizer.load_state_dict(state.pop("optimizer"))
-    torch.set_rng_state(state.pop("torch_rng"))
-    cuda_rng = state.pop("cuda_rng")
-    if cuda_rng is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_rng)
-    return state
-
-
-def settings_of(cfg) -> dict:
-    """A config (dataclass) as plain JSON values, less the keys a resumed run may change (at any depth)."""
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in RESUMABLE_CHANGES}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-    return strip(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
-
-
-def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
-    diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
-    if diff:
-        changes = ", ".join(f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in diff)
-        raise ValueError(f"{folder} holds a checkpoint of a run with other settings ({changes}); "
-                         f"run with the same settings to resume it, or delete {folder} to start over")
-
-
-def train_loop(model, cfg, step_fn, on_log=None, until=None, checkpoint_dir=None, settings=None,
-               ctx=None, run_log=None) -> list[dict]:
-    """Train ``model`` in place for ``cfg.steps`` steps (see module docstring); → the logged rows.
-
-    ``cfg`` needs ``steps``, ``seed``, ``log_every``, ``checkpoint_every`` (0: never) and ``optim``.
-    ``until(step)`` is asked after each step and ends training early when true. With
-    ``checkpoint_dir`` None nothing is written. ``settings`` (default ``settings_of(cfg)``) is what a
-    checkpoint must match to be resumed: callers pass the whole run's (model, data, …). ``ctx``: the
-    rank context of a multi-rank run (gradients summed over ranks before each optimizer step).
-    ``run_log``: a ``RunLog`` that gets every logged row (started at the first step run)."""
-    rng = random.Random(cfg.seed)
-    opt = make_optimizer(model, cfg.optim)
-    start, history = 0, []
-    settings = settings_of(cfg) if settings is None else settings
-    if checkpoint_dir is not None:
-        state = load_state(checkpoint_dir, model, opt, settings, ctx)
-        if state is not None:
-            start, history = state["step"], state["history"]
-            rng.setstate(state["rng"])
+    ``checkpoint`` None: nothing is resumed or written; ``resume=False``: nothing is resumed. ``eval_every`` needs ``trainer.eval_row()``
+    (a row's extra metrics; may be async)."""
+    ctx = trainer.ctx
+    if checkpoint is not None and resume:
+        load_trainer(checkpoint, trainer)
     if run_log is not None:
-        run_log.start(start)
-    model.train()
-    for step in range(start, cfg.steps):
-        logged = step_fn(rng)
-        stats = optimizer_step(model, opt, step, cfg.steps, cfg.optim, ctx)
-        stop = until is not None and until(step)
-        if ctx is not None and ctx.distributed:        # every rank stops at the same step
+        run_log.start(trainer.step)
+    while trainer.step < steps:
+        row = await _result(trainer.train_step())
+        done = trainer.step
+        if eval_every and done % eval_every == 0:
+            row.update(await _result(trainer.eval_row()))
+        stop = until is not None and until(done - 1)
+        if until is not None and ctx.distributed:        # every rank stops at the same step
             stop = bool(ctx.flags_max(float(stop), name="early stop")[0])
-        if step % cfg.log_every == 0 or step == cfg.steps - 1 or stop:
-            row = {"step": step, **{k: float(v) for k, v in logged.items()}, **stats}
+        if (done - 1) % log_every == 0 or done == steps or stop:
             if run_log is not None:
                 row = run_log.log(row)
-            history.append(row)
-            if on_log and (ctx is None or ctx.is_main):
-                on_log(row)
-        done = step + 1
-        if checkpoint_dir is not None and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            save_state(checkpoint_dir, model, opt, {"step": done, "history": history, "rng": rng.getstate(),
-                                                    "settings": settings}, ctx=ctx)
+            trainer.history.append(row)
+            if on_row and ctx.is_main:
+                on_row(row)
+        if checkpoint is not None and checkpoint_every and (done % checkpoint_every == 0 or done == steps):
+            save_trainer(checkpoint, trainer)
         if stop:
             break
     if run_log is not None:
         run_log.close()
-    model.eval()
-    return history
+    return trainer.history
+
+
+async def _result(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def run_sync(coroutine):
+    """Run a coroutine that never suspends (``run_loop`` of a trainer whose steps are plain calls)
+    to its result without an event loop, so that a callback inside it (``until``) may run one."""
+    try:
+        coroutine.send(None)
+    except StopIteration as finished:
+        return finished.value
+    coroutine.close()
+    raise RuntimeError("run_sync: the coroutine suspended; run it with asyncio.run")
+
+
+class BatchTrainer:
+    """A loop trainer made of a batch function: each step ``step_fn(rng)`` draws a batch with ``rng``
+    (a ``random.Random(cfg.seed)``, saved in checkpoints), runs forward and backward and returns the
+    quantities to log; then ``optimizer_step`` clips and takes the scheduled AdamW step.
+
+    ``cfg`` needs ``steps``, ``seed``, ``log_every``, ``checkpoint_every`` (0: never) and ``optim``.
+    ``settings`` (default ``settings_of(cfg)``) is what a checkpoint must match: callers pass the
+    whole run's (model, data, …). ``ctx``: the ranks of a multi-rank run (gradients summed over
+    ranks before each optimizer step)."""
+    tok = None
+
+    def __init__(self, model, cfg, step_fn, settings: dict | None = None, ctx: DistContext | None = None):
+        self.model, self.cfg, self.step_fn = model, cfg, step_fn
+        self.ctx = ctx or DistContext.single()
+        self.optimizer = make_optimizer(model, cfg.optim)
+        self.settings = settings_of(cfg) if settings is None else settings
+        self.rng = random.Random(cfg.seed)
+        self.step, self.history = 0, []
+
+    def train_step(self) -> dict:
+        logged = self.step_fn(self.rng)
+        stats = optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx)
+        row = {"step": self.step, **{k: float(v) for k, v in logged.items()}, **stats}
+        self.step += 1
+        return row
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+    def run(self, on_log=None, until=None, checkpoint_dir=None, run_log=None) -> list[dict]:
+        """Train in place for ``cfg.steps`` steps, or until ``until(step)`` (asked after each step)
+        says stop, resuming from ``checkpoint_dir`` (None: no checkpoints); → the logged rows."""
+        self.model.train()
+        history = run_sync(run_loop(self, self.cfg.steps, checkpoint=checkpoint_dir, checkpoint_every=self.cfg.checkpoint_every,
+                                    log_every=self.cfg.log_every, run_log=run_log, on_row=on_log, until=until))
+        self.model.eval()
+        return history

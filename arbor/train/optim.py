@@ -40,8 +40,8 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; PyTorch's fused kernel when every parameter is a floating CPU/CUDA tensor (one pass
-    over all parameters: ~3× faster than the per-tensor loop on a CPU)."""
+    """AdamW; PyTorch's fused kernel (one pass over all parameters instead of a loop over tensors)
+    when every parameter is a floating tensor on one CPU or CUDA device."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) \
         and len({p.device for p in params}) == 1

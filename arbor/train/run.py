@@ -1,8 +1,9 @@
 """``arbor train`` / ``arbor eval``: build model, engine and trainer from a config and run them.
 
-The engine is colocated with the trainer (same process). In the trainer's dtype and device it
-serves the trainer's own module, so weight sync moves nothing; in another dtype it holds a copy
-that ``update_weights`` refreshes after every optimizer step.
+The engine is colocated with the trainer (same process), built from ``engine_config(cfg)`` (the
+``engine`` section with its derived keys). In the trainer's dtype and device (and with
+``engine.share_weights``) it serves the trainer's own module, so weight sync moves nothing;
+otherwise it holds a copy that ``update_weights`` refreshes after every optimizer step.
 """
 
 from __future__ import annotations
@@ -12,52 +13,47 @@ from pathlib import Path
 
 import torch
 
-from arbor.models.config import torch_dtypes
-
-DTYPES = torch_dtypes()
+from arbor.train.checkpoint import save_trainer
 
 
-def make_engine(model, tokenizer, dtype: str = "float32", device: str = "cpu", logit_noise: float = 0.0,
-                max_model_len: int = 1024, ctx=None, noise_dist: str = "normal", noise_frac: float = 1.0,
-                policy: str = "mixed", pd_segment_layers: int = 1, share_weights: bool = True):
-    """→ (AsyncLLMEngine, sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos)).
-    ``share_weights=False``: even in the trainer's dtype the engine keeps its own copy (on CPU in
-    float32: oneDNN-packed linears), which ``update_weights`` refreshes and repacks."""
-    from arbor.engine import AsyncLLMEngine, EngineConfig, SamplingParams
-    if dtype not in DTYPES:
-        raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got '{dtype}'")
-    cfg = EngineConfig(dtype=dtype, device=device, logit_noise=logit_noise, max_model_len=max_model_len,
-                       logit_noise_dist=noise_dist, logit_noise_frac=noise_frac, policy=policy,
-                       pd_segment_layers=pd_segment_layers, share_weights=share_weights)
-    engine = AsyncLLMEngine(model, cfg, tokenizer=tokenizer, ctx=ctx)
-    eos, moe = tokenizer.eos_token_id, bool(model.config.moe_layers)
+def sampling_factory(tokenizer, moe: bool):
+    """The collector's ``sampling(max_tokens, temperature, top_p, seed, ignore_eos) → SamplingParams``:
+    stop at the tokenizer's end-of-sequence token unless ``ignore_eos``; an MoE model's samples carry
+    the engine's expert ids (routing replay)."""
+    from arbor.engine import SamplingParams
+    eos = tokenizer.eos_token_id
 
     def sampling(max_tokens, temperature, top_p, seed, ignore_eos=False):
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                               stop_token_ids=[] if ignore_eos else [eos], ignore_eos=ignore_eos,
-                              return_routed_experts=moe)   # MoE: trajectories carry the engine's expert ids
+                              return_routed_experts=moe)
 
-    return engine, sampling
+    return sampling
+
+
+def make_engine(model, tokenizer, engine_cfg, ctx=None):
+    """→ (AsyncLLMEngine serving ``model`` with ``engine_cfg`` — an RL run's is
+    ``arbor.train.config.engine_config(cfg)`` —, its ``sampling_factory``)."""
+    from arbor.engine import AsyncLLMEngine
+    engine = AsyncLLMEngine(model, engine_cfg, tokenizer=tokenizer, ctx=ctx)
+    return engine, sampling_factory(tokenizer, bool(model.config.moe_layers))
 
 
 def build_trainer(cfg):
-    """Model, engine and trainer of ``cfg`` (a block-diffusion model gets ``EBPOTrainer``); under ``arbor launch`` / torchrun each rank builds its
-    own, with the experts of an MoE model split over ``dist.ep_size`` ranks."""
+    """Model, engine and RL trainer of ``cfg`` (an autoregressive model; ``arbor.families`` picks the trainer
+    of other families); under ``arbor launch`` / torchrun each rank builds its own, with the experts of an
+    MoE model split over ``dist.ep_size`` ranks."""
     from arbor.distributed import init_distributed
     from arbor.models import ModelConfig, load_model
     from arbor.models.tokenizer import Tokenizer
     from arbor.tasks.registry import get_task
+    from arbor.train.config import engine_config
     from arbor.train.rl import RLTrainer
-    if ModelConfig.from_file(cfg.model).is_block_diffusion:     # EBPO: diffusion rollouts, block-ELBO ratio
-        from arbor.dllm.ebpo_trainer import build_ebpo_trainer
-        return build_ebpo_trainer(cfg)
     torch.manual_seed(cfg.seed)
     ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
     model = load_model(cfg.model, dtype=torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
-    engine, sampling = make_engine(model, tok, cfg.engine_dtype, cfg.device, cfg.engine_logit_noise,
-                                   cfg.rollout.max_context + 64, ctx, cfg.engine_noise_dist, cfg.engine_noise_frac,
-                                   cfg.rollout.policy, cfg.rollout.pd_segment_layers, cfg.engine_share_weights)
+    engine, sampling = make_engine(model, tok, engine_config(cfg), ctx)
     return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task), ctx)
 
 
@@ -80,19 +76,21 @@ def plot_history(history: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def train(cfg) -> list[dict]:
-    """``arbor train``: build and run the trainer (``RLTrainer.run`` logs every step through
-    ``RunLog``: OUT/metrics.jsonl, TensorBoard, W&B, progress bar), plot the rewards, save OUT/final."""
-    trainer = build_trainer(cfg)
+def train(cfg, build=build_trainer) -> list[dict]:
+    """``arbor train`` in this process: ``build(cfg)`` the trainer (``build_trainer``, or the model
+    family's: ``arbor.families``) and run it (``run`` logs every step through ``RunLog``:
+    OUT/metrics.jsonl, TensorBoard, W&B, progress bar), plot the rewards, save OUT/final."""
+    trainer = build(cfg)
     history = asyncio.run(trainer.run())
     if trainer.ctx.is_main:
         plot_history(history, Path(cfg.out) / "reward.png", f"{cfg.task} RL")
-    trainer.save(Path(cfg.out) / "final")
+    save_trainer(Path(cfg.out) / "final", trainer)
     return history
 
 
-def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu") -> float:
-    from arbor.train.rl import RLConfig
+def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu", build=build_trainer) -> float:
+    """Held-out accuracy of ``model_dir`` on ``task``: ``n`` greedy rollouts by the trainer ``build`` makes."""
+    from arbor.train.config import RLConfig
     cfg = RLConfig(model=model_dir, task=task, device=device, eval_problems=n)
-    trainer = build_trainer(cfg)
+    trainer = build(cfg)
     return asyncio.run(trainer.evaluate(n, progress=True))

@@ -5,7 +5,7 @@ batches drawn by a seeded sampler until ``batch_tokens`` tokens, packed into mic
 at most ``tree.token_cap`` tokens (gradient accumulation keeps the token mean exact). MoE models
 add ``moe_aux_coef`` × the load-balancing loss of each micro-batch, weighted by its share of the
 batch's tokens. ``arbor sft`` checkpoints every ``checkpoint_every`` steps and resumes a stopped run
-(``arbor.train.loop``).
+(``arbor.train.loop.BatchTrainer``).
 
 On several ranks (``arbor launch -n N sft …``) every rank draws the same batch, runs its LPT share of
 the micro-batches (``arbor.train.distributed``) and the gradients are summed over ranks, so the
@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arbor.plan.packing import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.distributed import DistConfig, DistContext
 from arbor.train.distributed import run_idle_passes, set_recompute
-from arbor.train.loop import settings_of, train_loop
+from arbor.train.checkpoint import settings_of
+from arbor.train.loop import BatchTrainer
 from arbor.train.optim import OptimConfig
 from arbor.train.run_log import LogConfig, RunLog
 from arbor.train.tree_batch import TreeConfig
 from arbor.train.tree_forward import tree_packed_logprobs
-from arbor.train.tree_plan import assign_lpt, first_fit_decreasing
+from arbor.train.tree_plan import assign_lpt
 
 
 @dataclass
@@ -62,7 +64,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
         checkpoint_dir=None, settings=None, ctx: DistContext | None = None, run_log=None) -> list[dict]:
     """examples: (ids, loss_mask) pairs. Trains ``model`` in place for ``cfg.steps`` steps, or
     until ``until(step)`` (called after each optimizer step) says stop, resuming from
-    ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop``);
+    ``checkpoint_dir`` when it holds a checkpoint of the same ``settings`` (``arbor.train.loop.BatchTrainer``);
     returns the logged metrics. ``ctx``: the ranks to split each batch over (see module docstring)."""
     if not examples:
         raise ValueError("sft needs at least one demonstration")
@@ -98,7 +100,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
         loss_sum, aux_sum = ctx.sum_floats([loss_sum, aux_sum]) if ctx.distributed else (loss_sum, aux_sum)
         return {"loss": loss_sum, "tokens": n_tokens, **({"moe_aux": aux_sum} if aux_coef else {})}
 
-    return train_loop(model, cfg, step, on_log, until, checkpoint_dir, settings, ctx, run_log)
+    return BatchTrainer(model, cfg, step, settings, ctx).run(on_log, until, checkpoint_dir, run_log)
 
 
 @dataclass
@@ -129,7 +131,8 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
 
     from arbor.distributed import init_distributed
     from arbor.models import CausalLM, ModelConfig, load_model, save_model
-    from arbor.models.expert_parallel import gather_hf_tensors, shard_experts
+    from arbor.models.checkpoint import gather_hf_tensors
+    from arbor.models.expert_parallel import shard_experts
     from arbor.models.presets import PRESETS, preset_config
     from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
     from arbor.rollout.chat import transcript_ids

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arbor.train.tree_plan import first_fit_decreasing
+from arbor.plan.packing import first_fit_decreasing
 
 
 @dataclass

@@ -26,7 +26,7 @@ from arbor.models.tree_attention import SegmentTreeAttention
 from arbor.models.rows import take_rows
 from arbor.train.logprobs import gather_logprobs, packed_logprobs
 from arbor.train.losses import router_aux_loss
-from arbor.train.tree_plan import first_fit_decreasing
+from arbor.plan.packing import first_fit_decreasing
 from arbor.train.tree_batch import TreeBatch, TreeConfig, build_rows
 
 

@@ -1,9 +1,9 @@
-"""Planning on compact-token work: rows under a token cap, micro-batches and data-parallel ranks.
+"""Planning on compact-token work: micro-batches and data-parallel ranks (rows under a token cap:
+``arbor.plan.packing.first_fit_decreasing``).
 
 Work of a tree or row = its compact tokens (each shared prefix once; replayed linear-attention
 tokens excluded), so ranks receive balanced real work.
 
-- ``first_fit_decreasing(sizes, cap)``: bins of total ≤ cap (an item above cap gets its own bin).
 - ``assign_lpt(work, num_bins)``: greedy longest-processing-time — items in decreasing work, each
   to the currently lightest bin. Makespan ≤ (4/3 − 1/(3m))·OPT (Graham).
 """
@@ -11,22 +11,6 @@ tokens excluded), so ranks receive balanced real work.
 from __future__ import annotations
 
 import heapq
-
-
-def first_fit_decreasing(sizes: list[int], cap: int) -> list[list[int]]:
-    """→ lists of item indices; every index appears exactly once."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        for b, free in enumerate(room):
-            if sizes[i] <= free:
-                bins[b].append(i)
-                room[b] -= sizes[i]
-                break
-        else:
-            bins.append([i])
-            room.append(cap - sizes[i])
-    return bins
 
 
 def assign_lpt(work: list[int], num_bins: int) -> list[list[int]]:

@@ -1,0 +1,144 @@
+"""The config tree of ``arbor train``: ``RLConfig`` and its sections.
+
+``RLConfig.engine`` is the rollout engine's ``EngineConfig`` (``engine.dtype=bfloat16``,
+``engine.policy=pd-multiplex``, …), validated by the engine's own ``EngineConfig.validate``. Two of
+its keys are not set by hand, because they follow from the rest of the run: ``engine.device`` is
+``device`` (the engine is colocated with the trainer, or a replica of it) and
+``engine.max_model_len`` is ``rollout.max_context + 64`` (a full context plus room for the turn in
+progress). ``engine_config(cfg)`` is the one place that fills them in; ``arbor train``, the Ray
+cluster and the benches build their engines from it.
+
+``dllm`` is the section a block-diffusion model reads (EBPO, ``arbor.dllm.ebpo_trainer``); it lives
+here, with the rest of the job's config, so that the config tree imports nothing above ``train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from arbor.configs import check
+from arbor.distributed import DistConfig
+from arbor.engine.config import EngineConfig
+from arbor.rollout.collector import RolloutConfig
+from arbor.train.losses import LossConfig
+from arbor.train.optim import OptimConfig
+from arbor.train.routepack_hook import PlanConfig
+from arbor.train.run_log import LogConfig
+from arbor.train.tree_batch import TreeConfig
+
+EBPO_ESTIMATORS = ("ebpo", "mean_field")
+DLLM_MODES = ("quality", "speed", "threshold")
+CONTEXT_MARGIN = 64      # engine.max_model_len = rollout.max_context + this
+
+
+@dataclass
+class C3POConfig:
+    enabled: bool = True
+    token_budget: int = 2000     # Φ: model tokens of finished groups per iteration
+    capacity: int = 16           # Ω: groups in flight
+    max_age: int = 2             # σ: iterations a group may live
+
+    def validate(self) -> None:
+        check(self, (self.token_budget >= 1, "token_budget", "must be ≥ 1"), (self.capacity >= 1, "capacity", "must be ≥ 1"),
+              (self.max_age >= 0, "max_age", "must be ≥ 0"))
+
+
+@dataclass
+class RLRolloutConfig(RolloutConfig):
+    """The collector's keys plus how an RL run schedules its rollouts against training."""
+    overlap: bool = False        # roll out step t+1 while step t trains (one-step off-policy; see RLTrainer)
+    overlap_threads: int = 0     # torch threads of the rollout thread while overlapped (0: half, ≥ 1); the trainer gets the rest
+
+    def validate(self) -> None:
+        super().validate()
+        check(self, (self.overlap_threads >= 0, "overlap_threads", "must be ≥ 0"))
+
+
+@dataclass
+class EBPOConfig:
+    """The ``dllm`` section of ``arbor train``: what changes when the model is a block-diffusion LM."""
+    estimator: str = "ebpo"              # ebpo (block ELBO ratio) | mean_field (d1 / diffu-GRPO baseline)
+    group_size: int = 8                  # rollouts per prompt (GRPO group)
+    levels: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])   # EBPO masking levels t_n
+    prompt_mask_prob: float = 0.15       # mean field: prompt tokens masked w.p. this
+    mode: str = "quality"                # rollout decoder: quality | speed | threshold
+    temperature: float = 1.0             # rollout sampling temperature (0: greedy, groups identical)
+    eval_mode: str = "quality"           # held-out decoding (greedy)
+
+    def validate(self) -> None:
+        check(self, (self.estimator in EBPO_ESTIMATORS, "estimator", f"must be one of {EBPO_ESTIMATORS}"),
+              (self.group_size >= 2, "group_size", "must be ≥ 2"),
+              (bool(self.levels) and all(0 < t <= 1 for t in self.levels), "levels", "must be a non-empty list in (0, 1]"),
+              (0 <= self.prompt_mask_prob < 1, "prompt_mask_prob", "must be in [0, 1)"),
+              (self.mode in DLLM_MODES, "mode", f"must be one of {DLLM_MODES}"),
+              (self.eval_mode in DLLM_MODES, "eval_mode", f"must be one of {DLLM_MODES}"),
+              (self.temperature >= 0, "temperature", "must be ≥ 0"))
+
+
+# keys of earlier versions → the key that replaced them (``arbor.configs`` names it in the error)
+RENAMED_KEYS = {"engine_dtype": "engine.dtype", "engine_share_weights": "engine.share_weights",
+                "engine_logit_noise": "engine.logit_noise", "engine_noise_dist": "engine.logit_noise_dist",
+                "engine_noise_frac": "engine.logit_noise_frac", "rollout.policy": "engine.policy",
+                "rollout.pd_segment_layers": "engine.pd_segment_layers"}
+DERIVED_ENGINE_KEYS = {"device": "device", "max_model_len": f"rollout.max_context (+ {CONTEXT_MARGIN})"}
+
+
+@dataclass
+class RLConfig:
+    model: str = "runs/demo/sft"
+    out: str = "runs/rl"
+    task: str = "arithmetic"
+    seed: int = 0
+    steps: int = 20
+    groups_per_step: int = 8
+    advantage: str = "grpo"
+    normalize_std: bool = True
+    ppo_epochs: int = 1          # passes over each step's samples
+    mini_batches: int = 1        # optimizer steps per pass (each on 1/mini_batches of the samples)
+    device: str = "cpu"          # the trainer's device, and the engine's (engine.device follows it)
+    eval_every: int = 0
+    eval_problems: int = 64
+    checkpoint_every: int = 5
+    resume: bool = True
+    replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
+    moe_aux_coef: float = 0.0    # MoE: weight of the load-balancing loss (tree tokens count multiplicity times)
+    recompute: bool = False      # activation recomputation (gradient checkpointing per layer)
+    old_logprobs: str = "auto"   # auto: θ_old's log-probs from the training forward when exact (see RLTrainer.skips_recompute) | recompute
+    engine: EngineConfig = field(default_factory=EngineConfig)   # the rollout engine (engine.dtype, engine.policy, engine.share_weights, …)
+    tree: TreeConfig = field(default_factory=TreeConfig)   # each group as one prefix tree (HARTS); token_cap per micro-batch
+    rollout: RLRolloutConfig = field(default_factory=RLRolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
+    c3po: C3POConfig = field(default_factory=C3POConfig)
+    dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
+    plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
+    log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
+    dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.dllm.ebpo_trainer)
+
+    RENAMED_KEYS = RENAMED_KEYS
+
+    def __post_init__(self):
+        if not isinstance(self.rollout, RLRolloutConfig):      # a plain RolloutConfig: overlap off
+            self.rollout = RLRolloutConfig(**vars(self.rollout))
+
+    def validate(self) -> None:
+        if self.rollout.overlap and self.loss.correction == "none":
+            raise ValueError("rollout.overlap=true needs loss.correction tis or icepop (the behaviour policy lags "
+                             "the trained one by a version), got loss.correction='none'")
+        for key, source in DERIVED_ENGINE_KEYS.items():
+            if getattr(self.engine, key) != getattr(EngineConfig, key):
+                raise ValueError(f"engine.{key} is set from {source}; set that instead "
+                                 f"(got engine.{key}={getattr(self.engine, key)!r})")
+        check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.groups_per_step >= 1, "groups_per_step", "must be ≥ 1"),
+              (self.advantage in ("grpo", "rloo"), "advantage", "must be grpo or rloo"),
+              (self.ppo_epochs >= 1, "ppo_epochs", "must be ≥ 1"), (self.mini_batches >= 1, "mini_batches", "must be ≥ 1"),
+              (self.eval_every >= 0, "eval_every", "must be ≥ 0"), (self.eval_problems >= 1, "eval_problems", "must be ≥ 1"),
+              (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"), (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"),
+              (self.old_logprobs in ("auto", "recompute"), "old_logprobs", "must be auto or recompute"))
+
+
+def engine_config(cfg: RLConfig) -> EngineConfig:
+    """The engine an RL run rolls out with: ``cfg.engine`` with its derived keys filled in (module
+    docstring): device = ``cfg.device``, max_model_len = ``cfg.rollout.max_context + 64``."""
+    return dataclasses.replace(cfg.engine, device=cfg.device, max_model_len=cfg.rollout.max_context + CONTEXT_MARGIN)
