@@ -110,8 +110,8 @@ class SFTRunConfig:
     task: str = "arithmetic"
     out: str = "runs/sft"
     demos: int = 2000
-    demo_options: dict = field(default_factory=dict)   # keyword options of the task's demonstration,
-    device: str = "cpu"                                # e.g. {mental_rate = 0.6} for arithmetic
+    demo_options: dict = field(default_factory=dict)   # the task's demonstration options, e.g. {mental_rate = 0.6}
+    device: str = "cpu"                                # the training device: cpu | cuda | cuda:N
     train: SFTConfig = field(default_factory=SFTConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
