@@ -12,7 +12,7 @@ from arbor.models import save_model
 from arbor.models.tokenizer import builtin_tokenizer
 from arbor.dllm.sft import DiffusionModelConfig, build_model
 from arbor.train.config import RLConfig
-from arbor.train.run import build_trainer, evaluate_folder
+from arbor.families import FAMILIES, evaluate as evaluate_folder, family
 
 TINY = DiffusionModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=8, block_size=16)
@@ -24,6 +24,11 @@ def dllm_dir(tmp_path_factory):
     tok = builtin_tokenizer()
     save_model(build_model(tok, TINY, seed=0), out, tokenizer=tok)
     return out
+
+
+def build_trainer(cfg):
+    """What `arbor train` builds for ``cfg.model``: its family's trainer."""
+    return family(cfg.model).build_trainer(cfg)
 
 
 def cfg_for(model, out, estimator="ebpo", steps=3):
@@ -81,3 +86,11 @@ def test_llm_engine_refuses_a_block_diffusion_model(dllm_dir):
             LLMEngine(target)
     with pytest.raises(ValueError, match="block-diffusion"):
         AsyncLLMEngine(dllm_dir)
+
+
+def test_family_registry_routes_a_block_diffusion_folder(dllm_dir, tmp_path):
+    """One registry decides: the folder's family, its trainer, and that Ray refuses it."""
+    from arbor.cli import main
+    assert family(dllm_dir) is FAMILIES["block_diffusion"] and not family(dllm_dir).on_ray
+    assert main(["train", f"model={dllm_dir}", f"out={tmp_path / 'ray'}", "task=sudoku", "cluster=ray"]) == 2
+    assert not (tmp_path / "ray").exists()
