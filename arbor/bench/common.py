@@ -173,10 +173,12 @@ def print_targets(targets: list[dict]) -> None:
 
 
 def write_result(out_dir: str | Path, name: str, result: dict, plot: Callable | None = None) -> Path:
-    """Write ``name.json`` (result + ``machine`` + ``run``) and, given ``plot(ax_or_fig)``, ``name.png``."""
+    """Write ``name.json`` (result + ``machine`` + ``run`` + the calling module's docstring as ``description``)
+    and, given ``plot(ax_or_fig)``, ``name.png``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": name, "machine": machine(), "run": run_info(), **result}
+    doc = sys._getframe(1).f_globals.get("__doc__")      # the calling bench module's: what it measures
+    result = {"benchmark": name, "description": (doc or "").strip(), "machine": machine(), "run": run_info(), **result}
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     if plot is not None:
         import matplotlib
