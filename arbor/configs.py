@@ -143,20 +143,21 @@ def load(cls, path: str | Path | None = None, overrides: list[str] = ()):
     return cfg
 
 
-def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+def describe(cls, prefix: str = "", obj=None) -> list[tuple[str, str, str]]:
     """(dotted key, default, one-line doc) for every key of a config dataclass, nested sections
-    included; the doc is the field's trailing ``# comment`` in the class source."""
+    included with the defaults their parent gives them (``obj``: the instance whose values to show);
+    the doc is the field's trailing ``# comment`` in the class source."""
     import inspect
     import re
     try:
         docs = dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", inspect.getsource(cls), re.M))
     except (OSError, TypeError):
         docs = {}
-    obj, out = cls(), []
+    obj, out = cls() if obj is None else obj, []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            out += describe(type(value), f"{prefix}{f.name}.")
+            out += describe(type(value), f"{prefix}{f.name}.", value)
         else:
             out.append((f"{prefix}{f.name}", repr(value), docs.get(f.name, "").strip()))
     return out

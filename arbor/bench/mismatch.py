@@ -11,7 +11,7 @@ Per step and seed: reward, gradient norm, |logp_old − logp_infer|, masked frac
 A run *degrades* when its reward over the last quarter of the run falls below its reward over the
 first quarter, or its gradient norm is ever NaN (such optimizer steps are skipped and counted:
 ``optim.skip_nonfinite``) or above 10× the median of its first 5 steps.
-The defaults are the regime found to break uncorrected GRPO here (README): Cauchy noise of scale 2
+The defaults are the regime found to break uncorrected GRPO (docs/benchmarks/mismatch.md): Cauchy noise of scale 2
 on 20 % of positions, lr 2e-2, 4 epochs × 4 mini-batches per step, 40 steps.
 """
 

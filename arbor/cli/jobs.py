@@ -29,8 +29,13 @@ def add_train(sub) -> None:
     def run(a):
         from arbor import families
         from arbor.cluster.config import load_train_config
+        from pathlib import Path
         path, over = split_config(a)
-        families.train(load_train_config(path, over))
+        cfg = load_train_config(path, over)
+        families.train(cfg)
+        final = Path(cfg.out) / "final" / "model"
+        if final.is_dir():
+            print(f"saved {final} (an HF folder: arbor eval / generate / serve take it)")
 
     p.set_defaults(func=run)
 
