@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-unit test-isa demo venv clean
+.PHONY: test test-unit test-isa demo docs venv clean
 
 $(BIN)/arbor: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-isa: venv
 
 demo: venv
 	$(BIN)/arbor demo
+
+docs: venv    # the generated docs: docs/benchmarks + README results table, and docs/config.md
+	$(BIN)/arbor bench render
+	$(BIN)/python -m arbor.cli.reference
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
