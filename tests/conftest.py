@@ -20,15 +20,28 @@ def hf_config(kind: str):
         return tf.Qwen3MoeConfig(**TINY, **MOE, norm_topk_prob=True)
     if kind == "qwen3_next":
         return tf.Qwen3NextConfig(**TINY, **MOE, **NEXT)
+    if kind == "qwen2":
+        return tf.Qwen2Config(**TINY)
+    if kind == "llama":   # llama3 RoPE with a short original context, so all three frequency bands occur
+        return tf.LlamaConfig(**(TINY | dict(head_dim=16)), attention_bias=True, mlp_bias=True, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64))
+    if kind == "mistral":
+        return tf.MistralConfig(**TINY, sliding_window=None)
     raise KeyError(kind)
+
+
+ARCHITECTURE = {"qwen3": "Qwen3ForCausalLM", "qwen3_hd16": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "qwen3_next": "Qwen3NextForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                "mistral": "MistralForCausalLM"}
+DENSE_FAMILIES = ["qwen2", "llama", "mistral"]   # no q/k norm; biases and RoPE variants per family
 
 
 def hf_model(kind: str, seed: int = 0):
     """A transformers model with every weight perturbed away from its structured init."""
     import transformers as tf
     torch.manual_seed(seed)
-    cls = {"qwen3": tf.Qwen3ForCausalLM, "qwen3_hd16": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM,
-           "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
+    cls = getattr(tf, ARCHITECTURE[kind])
     model = cls(hf_config(kind)).float().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -41,11 +54,17 @@ def kind(request):
     return request.param
 
 
+@pytest.fixture(params=["qwen3", "qwen3_moe", "qwen3_next", *DENSE_FAMILIES])
+def family(request):
+    """Every HF architecture Arbor loads (``kind``: the Qwen3 ones, which the tree and MoE tests use)."""
+    return request.param
+
+
 @pytest.fixture
-def hf_folder(tmp_path, kind):
-    model = hf_model(kind)
-    model.save_pretrained(tmp_path / kind)
-    return model, tmp_path / kind
+def hf_folder(tmp_path, family):
+    model = hf_model(family)
+    model.save_pretrained(tmp_path / family)
+    return model, tmp_path / family
 
 
 @pytest.fixture(scope="module")

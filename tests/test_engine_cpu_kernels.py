@@ -94,10 +94,22 @@ def test_prefill_kernel_matches_causal_attention_over_the_block_table(dtype, hea
                 assert ((got - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
 
 
-def tiny_model(**changes):
+FAMILIES = {   # no q/k norm (plain RoPE instead of the fused norm+RoPE op); biases in the fused GEMMs
+    "qwen3": dict(),
+    "qwen2": dict(architecture="Qwen2ForCausalLM"),
+    "llama": dict(architecture="LlamaForCausalLM", attention_bias=True, mlp_bias=True, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)),
+}
+
+
+def tiny_model(family="qwen3", **changes):
     torch.manual_seed(0)
-    cfg = ModelConfig(**(TINY | changes))
-    return CausalLM(cfg).eval()
+    model = CausalLM(ModelConfig(**(TINY | FAMILIES[family] | changes))).eval()
+    with torch.no_grad():   # CausalLM starts biases at zero
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(std=0.05)
+    return model
 
 
 def greedy(engine, prompts, n=10):
@@ -109,11 +121,12 @@ PROMPTS = [[1, 2, 3], list(range(5, 45)), list(range(60, 77)), [9] * 20]
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_decodes_the_same_with_and_without_the_kernels(dtype, monkeypatch):
+def test_engine_decodes_the_same_with_and_without_the_kernels(dtype, family, monkeypatch):
     """Prompts prefilled whole and in chunks after cached context (max_num_batched_tokens 24); head_dim
     16 so that the prefill kernel serves too."""
-    model = tiny_model(head_dim=16)
+    model = tiny_model(family, head_dim=16)
     cfg = EngineConfig(dtype=dtype, num_blocks=64, max_num_batched_tokens=24)
     with_kernel = greedy(LLMEngine(model, cfg), PROMPTS)
     calls = []
@@ -128,8 +141,9 @@ def test_engine_decodes_the_same_with_and_without_the_kernels(dtype, monkeypatch
 
 
 @pytest.mark.skipif(not packing_available(), reason="no oneDNN packed bfloat16 linear equal to F.linear here (built without oneDNN, or a CPU without native bfloat16)")
-def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
-    model = tiny_model()
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_bf16_linears_are_exact_and_follow_weight_updates(family):
+    model = tiny_model(family)
     engine = LLMEngine(model, EngineConfig(dtype="bfloat16", num_blocks=64))
     m = engine.model
     linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
@@ -140,8 +154,10 @@ def test_packed_bf16_linears_are_exact_and_follow_weight_updates():
     attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
     for got, lin in zip(attn.fused_qkv(x) + mlp.fused_gate_up(x), [attn.q_proj, attn.k_proj, attn.v_proj,
                                                                   mlp.gate_proj, mlp.up_proj]):
-        assert torch.equal(got, F.linear(x, lin.weight))                      # fused GEMMs, split: exact
-    assert isinstance(attn.o_proj, PackedLinear) and torch.equal(attn.o_proj(x), F.linear(x, attn.o_proj.weight))
+        assert torch.equal(got, F.linear(x, lin.weight, lin.bias))            # fused GEMMs, split: exact
+    assert isinstance(attn.o_proj, PackedLinear) and torch.equal(attn.o_proj(x), F.linear(x, attn.o_proj.weight,
+                                                                                          attn.o_proj.bias))
+    assert (attn.q_proj.bias is not None, attn.o_proj.bias is not None) == model.config.projection_bias
     shared = LLMEngine(m, EngineConfig(dtype="bfloat16", num_blocks=64))     # not its own copy: left alone
     assert shared.num_packed == 0
 
@@ -275,15 +291,15 @@ def assert_engine_noise(model, prompts, got, ref):
 
 
 @pytest.mark.skipif(not packing_available(torch.float32), reason="PyTorch built without oneDNN")
-@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("hybrid", [False, True, "llama"])
 def test_packed_fp32_copy_decodes_like_the_plain_path(hybrid):
     """``share_weights=False, fp32_gemm="onednn"``: the engine's own float32 copy runs oneDNN's packed
     GEMMs (sums in another order than MKL's ``F.linear``): the same greedy tokens, log-probs within
     float32 rounding, and the caller's module untouched; ``exact`` packs nothing."""
     from tests.test_model_attention import HYBRID
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig(**(HYBRID if hybrid else TINY))).eval()
-    prompts = [[t % 64 for t in p] for p in PROMPTS] if hybrid else PROMPTS
+    model = tiny_model("llama") if hybrid == "llama" else CausalLM(ModelConfig(**(HYBRID if hybrid else TINY))).eval()
+    prompts = [[t % 64 for t in p] for p in PROMPTS] if hybrid is True else PROMPTS
     packed = LLMEngine(model, EngineConfig(num_blocks=64, share_weights=False))
     exact = LLMEngine(model, EngineConfig(num_blocks=64, share_weights=False, fp32_gemm="exact"))
     shared = LLMEngine(model, EngineConfig(num_blocks=64))

@@ -15,13 +15,24 @@ def hf_dict(cfg: dict) -> dict:
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture 'LlamaForCausalLM'"),
+    ({"architectures": ["GemmaForCausalLM"]}, r"'architectures': unsupported architecture 'GemmaForCausalLM'; "
+     r"Arbor supports \['ArborBlockDiffusionForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', "
+     r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'Qwen3NextForCausalLM'\]"),
     ({"architectures": []}, "expected one architecture"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ({"layer_types": ["full_attention"]}, "layer_types.*1 entries but num_hidden_layers=2"),
     ({"layer_types": ["full_attention", "mamba"]}, "unknown layer types"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'.*implements \\['default', 'llama3'\\]"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None},
+     r"rope_type 'llama3' needs \['low_freq_factor', 'high_freq_factor'\]"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 64, "max_position_embeddings": 4096},
+     "'sliding_window': 64 < max_position_embeddings=4096: Arbor has no sliding-window attention"),
+    ({"architectures": ["Qwen2ForCausalLM"], "layer_types": ["full_attention", "sliding_attention"]},
+     "'layer_types': has sliding_attention layers .* Arbor has no sliding-window attention"),
+    ({"architectures": ["Qwen2ForCausalLM"], "layer_types": None, "use_sliding_window": True, "max_window_layers": 1},
+     "'layer_types': has sliding_attention layers"),
+    ({"mlp_bias": True}, "'mlp_bias': only LlamaForCausalLM"),
 ])
 def test_bad_config(change, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,5 +1,5 @@
 """Tree-batch forwards compute what trajectory-wise forwards compute: log-probs, gradients, MoE
-counts and routing replay, for dense, MoE and hybrid (Gated DeltaNet + softmax) tiny models.
+counts and routing replay, for dense (Qwen3, Qwen2, Llama 3), MoE and hybrid (Gated DeltaNet + softmax) tiny models.
 The models run in float64, so each equality holds to float64 rounding on any CPU."""
 
 import pytest
@@ -13,7 +13,10 @@ from arbor.train.tree_forward import (
 from tests.test_gated_deltanet import HIDDEN, cu, make_layer
 from tests.test_model_attention import DENSE, HYBRID, MOE
 
-CFGS = {"dense": DENSE, "moe": MOE, "hybrid": HYBRID}
+LLAMA = DENSE | dict(architecture="LlamaForCausalLM", attention_bias=True, mlp_bias=True, rope_scaling=dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))
+CFGS = {"dense": DENSE, "moe": MOE, "hybrid": HYBRID, "qwen2": DENSE | dict(architecture="Qwen2ForCausalLM"),
+        "llama": LLAMA}
 
 
 def model_of(cfg, chunk_size=4, seed=0):

@@ -149,8 +149,9 @@ class BlockDiffusionAttention:
 
 
 class SoftmaxAttention(nn.Module):
-    """Qwen3 attention: q/k RMSNorm per head, RoPE, GQA. ``gated`` (Qwen3-Next): q_proj also
-    yields a per-channel gate and the output is ``o_proj(attn · sigmoid(gate))``."""
+    """Qwen3 attention: q/k RMSNorm per head (none in Qwen2, Llama, Mistral), RoPE, GQA. ``gated``
+    (Qwen3-Next): q_proj also yields a per-channel gate and the output is ``o_proj(attn · sigmoid(gate))``.
+    Biases of the projections: ``ModelConfig.projection_bias``."""
 
     fused_qkv = None   # optional x → [q | k | v] in one GEMM (the engine's packed CPU copy), see cpu_linear
     engine_owned = False   # set on the engine's own CPU copy: float32 may use the fused C ops too
@@ -163,19 +164,25 @@ class SoftmaxAttention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.scale = self.head_dim ** -0.5
         q_out = self.num_heads * self.head_dim * (2 if self.gated else 1)
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+        qkv_bias, o_bias = cfg.projection_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)
 
     def norm_and_rotate(self, q, k, cos, sin):
-        """q_norm / k_norm, then RoPE, as one norm and one rotation over the heads of both."""
+        """q_norm / k_norm (where the family has them), then RoPE, as one norm and one rotation over
+        the heads of both."""
+        hq, hk, d = q.shape[1], k.shape[1], self.head_dim
+        if self.q_norm is None:
+            return apply_rope(torch.cat((q, k), 1), cos, sin).split((hq, hk), 1)
         wq, wk = self.q_norm.weight, self.k_norm.weight
         if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q, self.engine_owned):
             return cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps)
-        hq, hk, d = q.shape[1], k.shape[1], self.head_dim
         weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))
         qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)
         return apply_rope(qk, cos, sin).split((hq, hk), 1)

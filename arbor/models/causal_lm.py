@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = SoftmaxAttention(cfg, i)
         self.is_moe = cfg.is_moe_layer(i)
-        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.is_next)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=cfg.is_next)
 
@@ -91,7 +91,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.gradient_checkpointing = False
         self.apply(self._init_weights)
 

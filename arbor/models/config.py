@@ -8,6 +8,13 @@ Supported ``architectures``:
 - ``Qwen3NextForCausalLM`` — hybrid: ``layer_types`` mixes ``linear_attention`` (Gated DeltaNet)
   and ``full_attention`` (softmax attention with a sigmoid output gate, partial RoPE); MoE with a
   gated shared expert; zero-centred RMSNorm ``y = x̂ · (1 + w)``.
+- ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5) — dense, no q/k norm, q/k/v projections with bias (o_proj
+  without).
+- ``LlamaForCausalLM`` (Llama 3.x) — dense, no q/k norm; ``attention_bias`` (q/k/v/o), ``mlp_bias``,
+  RoPE of type ``default`` or ``llama3`` (frequencies remapped by ``factor``, ``low_freq_factor``,
+  ``high_freq_factor``, ``original_max_position_embeddings``; see ``arbor.models.layers.Rotary``).
+- ``MistralForCausalLM`` — as Llama without biases. Arbor has no sliding-window attention: a
+  ``sliding_window`` smaller than ``max_position_embeddings`` is refused.
 - ``ArborBlockDiffusionForCausalLM`` (``model_type = "arbor_block_diffusion"``) — Arbor's
   block-diffusion LLM: the Qwen3 layers (dense, or MoE when ``num_experts > 0``) with attention
   bidirectional inside a block of ``block_size`` positions and causal across blocks. Extra keys:
@@ -27,8 +34,14 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "ArborBlockDiffusionForCausalLM": "arbor_block_diffusion",
 }
+NO_QK_NORM = ("qwen2", "llama", "mistral")   # model types whose attention has no q/k RMSNorm
+ROPE_TYPES = {"default": (),   # → the keys each needs
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
@@ -58,6 +71,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict = field(default_factory=dict)   # {} (default RoPE) or {"rope_type": "llama3", …}
     layer_types: list[str] = field(default_factory=list)
     # MoE
     num_experts: int = 0
@@ -108,6 +123,20 @@ class ModelConfig:
         return "block_diffusion" if self.is_block_diffusion else "autoregressive"
 
     @property
+    def qk_norm(self) -> bool:
+        """Per-head q/k RMSNorm before RoPE (the Qwen3 families), absent in Qwen2, Llama, Mistral."""
+        return self.model_type not in NO_QK_NORM
+
+    @property
+    def projection_bias(self) -> tuple[bool, bool]:
+        """(q/k/v projections, o_proj) have a bias: Qwen2 always (q/k/v only), Mistral never."""
+        if self.model_type == "qwen2":
+            return True, False
+        if self.model_type == "mistral":
+            return False, False
+        return self.attention_bias, self.attention_bias
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -144,10 +173,22 @@ class ModelConfig:
              f"num_key_value_heads={self.num_key_value_heads}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
+        need("sliding_attention" not in self.layer_types, "layer_types", "has sliding_attention layers (from "
+             "use_sliding_window / max_window_layers); Arbor has no sliding-window attention")
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         need(not bad, "layer_types", f"unknown layer types {bad}; expected {list(LAYER_TYPES)}")
         need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim, "partial_rotary_factor",
              f"head_dim * partial_rotary_factor = {self.rotary_dim} must be even and in (0, head_dim]")
+        need(not self.mlp_bias or self.model_type == "llama", "mlp_bias", "only LlamaForCausalLM has MLP biases")
+        rope_type = self.rope_scaling.get("rope_type", "default")
+        need(rope_type in ROPE_TYPES, "rope_parameters",
+             f"rope_type '{rope_type}' is not supported; Arbor implements {sorted(ROPE_TYPES)}")
+        missing = [k for k in ROPE_TYPES.get(rope_type, ()) if k not in self.rope_scaling]
+        need(not missing, "rope_parameters", f"rope_type '{rope_type}' needs {missing}")
+        window = self.extra.get("sliding_window")
+        need(self.model_type != "mistral" or window is None or window >= self.max_position_embeddings,
+             "sliding_window", f"{window} < max_position_embeddings={self.max_position_embeddings}: Arbor has no "
+             "sliding-window attention (a window covering max_position_embeddings, or null, is accepted)")
         if "linear_attention" in self.layer_types:
             need(self.is_next, "layer_types", "linear_attention layers need Qwen3NextForCausalLM")
             for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
@@ -185,15 +226,22 @@ class ModelConfig:
             kw["num_experts"] = hf["num_local_experts"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        if rope_type not in ROPE_TYPES:
             raise ConfigError(f"config key 'rope_parameters': rope_type '{rope_type}' is not supported; "
-                              "Arbor implements the default RoPE")
+                              f"Arbor implements {sorted(ROPE_TYPES)}")
+        kw["rope_scaling"] = {} if rope_type == "default" else {
+            "rope_type": rope_type, "original_max_position_embeddings": hf.get("max_position_embeddings"),
+            **{k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}}
         kw["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         kw["partial_rotary_factor"] = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config key 'hidden_act': '{hf['hidden_act']}' is not supported; Arbor implements silu")
         if "head_dim" not in kw:
             kw["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+        if hf.get("use_sliding_window") and "layer_types" not in kw:   # Qwen2/Qwen3 files without layer_types
+            first = hf.get("max_window_layers", 0)
+            kw["layer_types"] = ["sliding_attention" if i >= first else "full_attention"
+                                 for i in range(hf.get("num_hidden_layers", 0))]
         if kw.get("mlp_only_layers") is None:
             kw["mlp_only_layers"] = []
         try:
@@ -222,7 +270,7 @@ class ModelConfig:
     def to_hf(self) -> dict:
         out = dict(self.extra)
         for f in fields(self):
-            if f.name in ("architecture", "extra", "rope_theta", "partial_rotary_factor"):
+            if f.name in ("architecture", "extra", "rope_theta", "partial_rotary_factor", "rope_scaling"):
                 continue
             out[f.name] = getattr(self, f.name)
         if not self.is_block_diffusion:
@@ -235,10 +283,14 @@ class ModelConfig:
             for k in [k for k in out if k.startswith("linear_")]:
                 out.pop(k)
         out.pop("num_local_experts", None)
-        out.pop("rope_theta", None)
+        out.pop("rope_theta", None), out.pop("rope_scaling", None)
+        if self.model_type != "llama":
+            out.pop("mlp_bias", None)
+        if self.model_type in ("llama", "mistral"):   # no layer_types there (transformers reads it as Ministral)
+            out.pop("layer_types", None)
         out["architectures"] = [self.architecture]
         out["model_type"] = self.model_type
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope = {"rope_type": "default", **self.rope_scaling, "rope_theta": self.rope_theta}
         if self.partial_rotary_factor != 1.0:
             rope["partial_rotary_factor"] = self.partial_rotary_factor
         out["rope_parameters"] = rope

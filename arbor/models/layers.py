@@ -5,10 +5,17 @@
   an offset and computes ``(x̂ · (1 + w))`` in float32 before the cast.
 - RoPE (rotate-half form) on the first ``rotary_dim`` channels of each head:
   ``x' = x · cos(pθ) + rotate_half(x) · sin(pθ)``, ``θ_i = base^(-2i / rotary_dim)``.
-- SwiGLU: ``down(silu(gate(x)) · up(x))``.
+  Llama 3's ``llama3`` RoPE remaps θ by wavelength λ = 2π/θ against
+  L = original_max_position_embeddings: λ < L / high_freq_factor keeps θ, λ > L / low_freq_factor
+  takes θ / factor, and in between ``(1 − s) · θ / factor + s · θ`` with
+  ``s = (L/λ − low_freq_factor) / (high_freq_factor − low_freq_factor)`` (transformers'
+  ``_compute_llama3_parameters``, in the same operation order).
+- SwiGLU: ``down(silu(gate(x)) · up(x))`` (Llama's ``mlp_bias``: each projection with a bias).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +51,19 @@ class RMSNorm(nn.Module):
 class Rotary:
     """cos/sin tables for given positions; holds no parameters (nothing to load or save)."""
 
-    def __init__(self, rotary_dim: int, base: float):
+    def __init__(self, rotary_dim: int, base: float, scaling: dict | None = None):
         self.rotary_dim = rotary_dim
         self.base = base
+        self.scaling = scaling or {}
         self._inv_freq: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def inv_freq(self, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if (device, dtype) not in self._inv_freq:
             exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device)
-            self._inv_freq[device, dtype] = 1.0 / (self.base ** (exponent.to(dtype) / self.rotary_dim))
+            inv_freq = 1.0 / (self.base ** (exponent.to(dtype) / self.rotary_dim))
+            if self.scaling.get("rope_type") == "llama3":
+                inv_freq = llama3_inv_freq(inv_freq, **{k: v for k, v in self.scaling.items() if k != "rope_type"})
+            self._inv_freq[device, dtype] = inv_freq
         return self._inv_freq[device, dtype]
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +72,18 @@ class Rotary:
         freqs = positions.to(ct)[:, None] * self.inv_freq(positions.device, ct)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int, **_) -> torch.Tensor:
+    """Llama 3's remapping of the RoPE frequencies (the module docstring's formula)."""
+    old_len = original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+    s = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - s) * inv_freq / factor + s * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    return torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), smoothed, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,11 +100,11 @@ class MLP(nn.Module):
     fused_gate_up = None   # optional x → [gate | up] in one GEMM (the engine's packed CPU copy)
     engine_owned = False   # set on the engine's own CPU copy: float32 may use the fused C ops too
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
