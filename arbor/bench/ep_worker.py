@@ -35,7 +35,7 @@ from arbor.bench.ep import MARK  # noqa: E402
 from arbor.distributed import DistConfig, init_distributed, shutdown  # noqa: E402
 from arbor.models import VarlenAttention  # noqa: E402
 from arbor.models.expert_parallel import is_expert_param  # noqa: E402
-from arbor.models.random_init import random_moe_model as build_model  # noqa: E402
+from arbor.models.random_init import random_moe_model  # noqa: E402
 from arbor.train.distributed import reduce_gradients  # noqa: E402
 
 
@@ -168,7 +168,7 @@ def main(argv: list[str]) -> None:
     ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec.get("timeout_s", 120)), shape["num_experts"], device)
     device = ctx.device if ctx.distributed else torch.device(device)
     timer = CommTimer()
-    model = build_model(shape, ctx, device)
+    model = random_moe_model(shape, ctx, device)
     out = {"rank": ctx.rank, "world_size": ctx.world_size, "ep_size": ctx.ep_size, "threads": torch.get_num_threads(),
            "expert_param_bytes": param_bytes(model, True), "other_param_bytes": param_bytes(model, False)}
     run = run_train if spec["phase"] == "train" else run_decode

@@ -53,12 +53,12 @@ def record_traces(shape: dict, windows: int, samples: int, seed: int, max_len: i
     """Rollouts of the bench model (one process) → per window, each sample's expert ids [Lm, n, k]."""
     import torch
 
-    from arbor.models.random_init import random_moe_model as build_model
+    from arbor.models.random_init import random_moe_model
     from arbor.distributed import DistContext
     from arbor.engine import EngineConfig, LLMEngine, SamplingParams
     from arbor.models import VarlenAttention
     from arbor.plan.traces import lengths
-    model = build_model(shape, DistContext.single(), torch.device("cpu")).eval()
+    model = random_moe_model(shape, DistContext.single(), torch.device("cpu")).eval()
     rng = np.random.default_rng(seed)
     n = windows * samples
     gen_len = lengths(n, rng, 4, 64, 1.5)
@@ -214,12 +214,12 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
     else:
         import torch
 
-        from arbor.models.random_init import random_moe_model as build_model
+        from arbor.models.random_init import random_moe_model
         from arbor.distributed import DistContext
         from arbor.train.plan_calibrate import calibrate
         from arbor.train.plan_calibrate_ep import calibrate_ep, calibrate_migration, with_ep_fit, with_migration
         print("calibrating the cost model on this machine (as `arbor plan calibrate --ep`: 2 EP ranks) ...", flush=True)
-        cost = calibrate(build_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
+        cost = calibrate(random_moe_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
         cost = with_ep_fit(cost, calibrate_ep(shape, repeats=3, timeout_s=timeout_s, max_tokens=cap))
         cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
         cost.save(Path(out_dir) / "routepack_cost.json")

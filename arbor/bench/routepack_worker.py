@@ -3,8 +3,8 @@
 ``python -m arbor.bench.routepack_worker SPEC.json``: the spec names the model shape, the trace
 file (``.npz``: every sample's replayed expert ids [Lm, n_i, k]) and, per method and step, the grid of
 sample ids (``cells[d][s]``) and each MoE layer's placement. Every rank builds the same model
-(``ep_worker.build_model``: parameters seeded per name and logical expert), sharded over the 2 EP
-ranks (DP attention on the same 2 ranks).
+(``arbor.models.random_init.random_moe_model``: parameters seeded per name and logical expert),
+sharded over the 2 EP ranks (DP attention on the same 2 ranks).
 
 A step of a method: migrate the experts (weights and AdamW moments, untimed) to the method's
 placement, barrier, then for each slot s this rank's cell (its samples packed, routing replayed from
@@ -31,7 +31,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from arbor.bench.ep_worker import build_model  # noqa: E402
+from arbor.models.random_init import random_moe_model  # noqa: E402
 from arbor.plan.traces import load_traces  # noqa: E402
 from arbor.distributed import DistConfig, init_distributed, shutdown  # noqa: E402
 from arbor.models import VarlenAttention  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
     shape = spec["shape"]
     ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec.get("timeout_s", 120)), shape["num_experts"])
     device = ctx.device
-    model = build_model(shape, ctx, device)
+    model = random_moe_model(shape, ctx, device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)   # as make_optimizer (arbor train)
     traces = load_traces(spec["traces"])

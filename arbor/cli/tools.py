@@ -97,10 +97,10 @@ def add_plan(sub) -> None:
             model = load_model(a.model, dtype=torch.float32)
         else:
             from arbor.models.presets import moe_shape as model_shape
-            from arbor.models.random_init import random_moe_model as build_model
+            from arbor.models.random_init import random_moe_model
             from arbor.distributed import DistContext
             shape = model_shape(a.hidden, a.experts, a.top_k, a.moe_intermediate, a.layers, a.vocab)
-            model = build_model(shape, DistContext.single(), torch.device("cpu"))
+            model = random_moe_model(shape, DistContext.single(), torch.device("cpu"))
         if not model.config.moe_layers:
             raise ValueError("arbor plan calibrate needs an MoE model")
         cost = calibrate(model, repeats=a.repeats, threads=a.threads)

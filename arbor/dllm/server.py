@@ -38,7 +38,7 @@ from arbor.dllm.decoding import MODES, DecodeConfig, DiffusionDecoder, mode_conf
 from arbor.engine.sequence import Completion
 from arbor.engine.threaded_engine import EngineThread
 from arbor.serve import openai_protocol as oai
-from arbor.serve.app import OFF_LOOP_CHARS, ReadBody, draining_error, make_app, sse_line
+from arbor.serve.app import OFF_LOOP_CHARS, ReadBody, draining_error, generation_routes, make_app, sse_line
 from arbor.serve.config import ServerConfig
 from arbor.serve.http_io import SSEResponse, first_or_disconnect
 from arbor.serve.openai_protocol import RequestError
@@ -303,10 +303,4 @@ def diffusion_routes(b: DiffusionBackend, app: FastAPI, read_body: ReadBody, mod
             yield sse_line(oai.usage_chunk(rid, model_name, chat, {**usage, "total_tokens": sum(usage.values())}))
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+    generation_routes(app, handle)

@@ -59,6 +59,18 @@ def sse_line(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def generation_routes(app: FastAPI, handle: Callable[[Request, bool], Awaitable]) -> None:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``, each answered by ``handle(request, chat)``."""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, True)
+
+
 def draining_error() -> RequestError:
     return RequestError("the server is shutting down", None, "shutting_down", 503)
 

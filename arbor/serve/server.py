@@ -40,7 +40,8 @@ from arbor.engine.client import EngineClient
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.sequence import Completion
 from arbor.serve import openai_protocol as oai
-from arbor.serve.app import OFF_LOOP_CHARS, Backend, ReadBody, draining_error, make_app, sse_line
+from arbor.serve.app import (OFF_LOOP_CHARS, Backend, ReadBody, draining_error, generation_routes, make_app,
+                             sse_line)
 from arbor.serve.config import ServerConfig
 from arbor.serve.http_io import SSEResponse, first_or_disconnect
 from arbor.serve.openai_protocol import RequestError
@@ -204,15 +205,7 @@ def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model
             yield sse_line(oai.usage_chunk(rid, model_name, chat, usage))
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
-
-
+    generation_routes(app, handle)
 
 
 class EngineBackend:

@@ -13,7 +13,8 @@ interleaving spreads a burst of their load over all the readings instead of one:
    e·layers·k·Σn.
 
 The fit (non-negative least squares) is written as JSON (``CostModel.save``) with the shape, the
-threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``).
+threads and both fits' R² in ``meta``; the planner reads it (``CostModel.load``). The two-rank
+measurements (expert migration, the EP step fit) are ``arbor.train.plan_calibrate_ep``.
 """
 
 from __future__ import annotations

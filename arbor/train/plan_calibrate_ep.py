@@ -303,8 +303,8 @@ def _rank_model(spec: dict, ctx):
     if spec.get("model"):
         from arbor.models import load_model
         return load_model(spec["model"], dtype=torch.float32, device=ctx.device, ctx=ctx).train()
-    from arbor.models.random_init import random_moe_model as build_model
-    return build_model(spec["shape"], ctx, ctx.device).train()
+    from arbor.models.random_init import random_moe_model
+    return random_moe_model(spec["shape"], ctx, ctx.device).train()
 
 
 if __name__ == "__main__":
