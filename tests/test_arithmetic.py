@@ -2,7 +2,7 @@ import pytest
 
 from arbor.tasks.arithmetic import (
     SYSTEM_PROMPT, ArithmeticProblem, calculator, demonstration, generate_problems, is_correct,
-    parse_answer, parse_tool_call,
+    parse_answer,
 )
 
 
@@ -76,14 +76,6 @@ def test_calculator_never_raises():
         assert isinstance(calculator(bad), str)
 
 
-def test_parse_tool_call():
-    assert parse_tool_call("ok <tool_call> 17+25 </tool_call> then <tool_call>1</tool_call>") == "17+25"
-    assert parse_tool_call("<tool_call>a\nb</tool_call>") == "a\nb"
-    assert parse_tool_call("<tool_call>17+25") is None
-    assert parse_tool_call("17+25</tool_call>") is None
-    assert parse_tool_call("no call") is None
-
-
 def test_parse_answer():
     assert parse_answer("Answer: 118") == 118
     assert parse_answer("so Answer:-7.") == -7
@@ -99,11 +91,11 @@ def test_demonstration_and_is_correct(train):
     p = next(p for p in train if len(p.steps) == 3)
     msgs = demonstration(p)
     assert [m["role"] for m in msgs] == ["system", "user"] + ["assistant", "tool"] * 3 + ["assistant"]
-    assert msgs[0]["content"] == SYSTEM_PROMPT and "<tool_call>" in SYSTEM_PROMPT and "Answer:" in SYSTEM_PROMPT
+    assert msgs[0]["content"] == SYSTEM_PROMPT and "calc" in SYSTEM_PROMPT and "Answer:" in SYSTEM_PROMPT
     assert msgs[1]["content"] == p.question
     for i, step in enumerate(p.steps):
         call, result = msgs[2 + 2 * i], msgs[3 + 2 * i]
-        assert parse_tool_call(call["content"]) == step
+        assert call["tool_calls"] == [{"type": "function", "function": {"name": "calc", "arguments": {"expr": step}}}]
         assert result["content"] == calculator(step)
     assert msgs[-1]["content"] == f"Answer: {p.answer}"
     assert is_correct(p, msgs[-1]["content"])

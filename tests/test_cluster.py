@@ -181,7 +181,7 @@ def test_a_replica_killed_mid_rollout_is_replaced_and_no_trajectory_is_lost_or_d
         pool = []
         for g in range(4):
             p = LongTailProblem("ab"[g % 2], 64)
-            pool += await collector.start(LongTailEnvironment(p), g, p, 0)
+            pool += await collector.start(LongTailEnvironment(p), None, g, p, 0)
 
         async def kill_when_streaming():          # once the first tokens arrived: ~56 of each sample to go
             while not any(ep.partial is not None and ep.partial.tokens for ep in pool):

@@ -4,7 +4,8 @@ import pytest
 
 from arbor import configs
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.rollout.chat import env_turn_ids, model_turn_ids, prompt_ids, transcript_ids
+from arbor.data.tools import tool_from_function
+from arbor.rollout.chat import ChatLayout
 from arbor.rollout.tree import Node, RolloutTree, Segment
 from arbor.tasks import arithmetic as ar
 from arbor.plan.packing import first_fit_decreasing
@@ -58,17 +59,25 @@ def test_transcript_layout_matches_rollout_pieces():
     tok = builtin_tokenizer()
     p = ar.generate_problems(1, seed=0)[0]
     msgs = ar.demonstration(p)
-    ids, mask = transcript_ids(tok, msgs)
-    # the same ids the collector builds turn by turn: prompt, then model / env pieces
-    built = prompt_ids(tok, msgs[:2])
-    for m in msgs[2:]:
-        built += model_turn_ids(tok, m["content"]) if m["role"] == "assistant" else env_turn_ids(tok, m["content"])
+    tools = [tool_from_function(ar.calc).schema]
+    layout = ChatLayout(tok, tools)
+    ids, mask = layout.transcript_ids(msgs)
+    # the same ids the collector builds turn by turn: prompt, then model turns as text + eos, env pieces
+    built, history = layout.prompt_ids(msgs[:2]), msgs[:2]
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    for k, i in enumerate(turns):
+        text = layout.render(msgs[:i + 1])[len(layout.render(msgs[:i], True)):].split("<|im_end|>")[0]
+        built += layout.model_turn_ids(text)
+        history = msgs[:i] + [{"role": "assistant", "content": text}]
+        if k + 1 < len(turns):
+            built += layout.env_turn_ids(history, msgs[i + 1:turns[k + 1]])
     assert ids == built
-    # trained tokens decode to exactly the assistant turns, each closed by <|im_end|>
+    # trained tokens decode to exactly the assistant turns (tool calls as the template writes them)
     trained = tok.decode([t for t, k in zip(ids, mask) if k])
-    assert trained == "".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")
+    calls = "".join(f'<tool_call>{{"name":"calc","arguments":{{"expr":"{s}"}}}}</tool_call><|im_end|>' for s in p.steps)
+    assert trained == calls + f"Answer: {p.answer}<|im_end|>"
     # whole-string rendering agrees with the piecewise ids for the built-in tokenizer
-    assert tok.decode(ids) + "\n" == tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode(ids) + "\n" == tok.apply_chat_template(msgs, tokenize=False, tools=tools)
 
 
 def test_tree_trajectories():
@@ -102,28 +111,38 @@ def test_first_fit_decreasing():
 
 
 def test_every_task_demonstration_is_correct_and_env_scores_it():
+    """Each built-in example, loaded through the public path (rows + tools + reward specs), scores its
+    own demonstration 1.0 when the demonstration is played through its environment."""
     import asyncio
 
-    from arbor.tasks.registry import TASKS, get_task
-    for name in TASKS:
-        task = get_task(name)
-        p = task.generate(3, seed=0, split="test")[0]
-        demo = task.demonstration(p)
-        assert task.is_correct(p, demo[-1]["content"]), name
+    from arbor.data.config import DataConfig
+    from arbor.data.rewards import RewardConfig
+    from arbor.models.tool_calls import parser_for
+    from arbor.tasks.registry import BUILTINS, load_task
+    tok = builtin_tokenizer()
+    parser = parser_for(tok)
+    for name in BUILTINS:
         if name == "python":
             continue  # its tool runs in the sandbox: covered by tests/test_python_tool.py
+        task = load_task(task=name, data=DataConfig(), reward=RewardConfig(), tools=[], env="", seed=0, n_train=3, n_eval=3)
+        row = task.eval[0]
+        layout = ChatLayout(tok, [t.schema for t in task.tools] or None)
 
         async def play():
-            env = task.make_env(p)
-            await env.reset()
+            env = task.make_env()
+            await env.reset(row)
             reward = None
-            for m in demo[2:]:
-                if m["role"] == "assistant":
-                    obs, reward, done = await env.step(m["content"])
+            for i, m in enumerate(row["messages"]):
+                if m["role"] == "assistant" and i >= 2:
+                    text = layout.render(row["messages"][:i + 1])[len(layout.render(row["messages"][:i], True)):]
+                    text = text.split("<|im_end|>")[0]
+                    turn = parser.parse(text)
+                    msg = {"role": "assistant", "content": turn.content, "tool_calls": [c.openai() for c in turn.calls]}
+                    obs, reward, done = await env.step(msg)
                     if not done:
-                        assert obs is not None
+                        assert obs and obs[0]["content"] == row["messages"][i + 1]["content"]
             return reward
 
         assert asyncio.run(play()) == 1.0, name
     with pytest.raises(ValueError, match="unknown task"):
-        get_task("chess")
+        load_task(task="chess", data=DataConfig(), reward=RewardConfig(), tools=[], env="", seed=0, n_train=1, n_eval=1)

@@ -69,11 +69,13 @@ def test_config_keys_are_validated():
 def test_eval_and_task_errors(dllm_dir, tmp_path):
     acc = evaluate_folder(str(dllm_dir), "sudoku", 4)
     assert 0 <= acc <= 1
-    from arbor.tasks.registry import DIFFUSION_TASKS, get_task
+    from arbor.data.config import DataConfig
+    from arbor.data.rewards import RewardConfig
+    from arbor.tasks.registry import DIFFUSION_TASKS, load_task
     from arbor.dllm.sft import TASKS
     assert TASKS is DIFFUSION_TASKS                        # one registry for both kinds of task
     with pytest.raises(ValueError, match="block-diffusion task"):
-        get_task("sudoku")
+        load_task(task="sudoku", data=DataConfig(), reward=RewardConfig(), tools=[], env="", seed=0, n_train=1, n_eval=1)
     with pytest.raises(ValueError, match="no diffusion version"):
         build_trainer(configs.load(RLConfig, None, [f"model='{dllm_dir}'", "task='arithmetic'"]))
 

@@ -5,10 +5,9 @@ import asyncio
 
 import pytest
 
-from arbor.rollout.environment import parse_tool_call
 from arbor.rollout.sandbox import SandboxConfig
 from arbor.tasks.python_tool import (PythonProblem, demonstration, generate_problems, is_correct,
-                                     make_environment, parse_answer, run_tool)
+                                     check_sandbox, parse_answer, run_tool)
 
 
 def test_generation_is_deterministic_and_varied():
@@ -39,7 +38,7 @@ def test_demonstrations_run_in_the_sandbox_and_print_the_answer():
 
     async def main():
         demos = [demonstration(p) for p in problems]
-        outs = await asyncio.gather(*(run_tool(parse_tool_call(d[2]["content"]), cfg) for d in demos))
+        outs = await asyncio.gather(*(run_tool(d[2]["tool_calls"][0]["function"]["arguments"]["code"], cfg) for d in demos))
         return demos, outs
     demos, outs = asyncio.run(main())
     for p, d, out in zip(problems, demos, outs):
@@ -63,12 +62,18 @@ def test_run_tool_reports_errors_and_environment_rewards():
     assert asyncio.run(run_tool("1/0")).startswith("error:")
     p = generate_problems(1, seed=5)[0]
 
+    from arbor.data.config import DataConfig
+    from arbor.data.rewards import RewardConfig
+    from arbor.tasks.registry import load_task
+    task = load_task(task="python", data=DataConfig(), reward=RewardConfig(), tools=[], env="", seed=5, n_train=1, n_eval=1)
+    row = {"prompt": p.question, "answer": p.answer}
+
     async def episode():
-        env = make_environment(p)
-        await env.reset()
-        obs, reward, done = await env.step(demonstration(p)[2]["content"])
-        assert (obs, reward, done) == (p.answer + "\n", 0.0, False)
-        return await env.step(f"Answer: {p.answer}")
+        env = task.make_env()
+        await env.reset(row)
+        obs, reward, done = await env.step(demonstration(p)[2])
+        assert ([m["content"] for m in obs], reward, done) == ([p.answer + "\n"], 0.0, False)
+        return await env.step({"role": "assistant", "content": f"Answer: {p.answer}"})
     _, reward, done = asyncio.run(episode())
     assert done and reward == 1.0
 
@@ -78,5 +83,6 @@ def test_the_environment_refuses_weak_isolation_up_front(monkeypatch):
     monkeypatch.delenv("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION", raising=False)
     problem = generate_problems(1, seed=0)[0]
     with pytest.raises(SandboxUnavailable, match="allow_weak_isolation"):
-        make_environment(problem, SandboxConfig(os_isolation=False))
-    assert make_environment(problem, SandboxConfig(os_isolation=False, allow_weak_isolation=True))
+        check_sandbox(SandboxConfig(os_isolation=False))
+    check_sandbox(SandboxConfig(os_isolation=False, allow_weak_isolation=True))
+    assert problem

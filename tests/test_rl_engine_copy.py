@@ -12,11 +12,10 @@ from arbor.bench.rl_setup import make_trainer
 from arbor.engine import cpu_linear
 from arbor.rollout.collector import RolloutConfig
 from arbor.train.optim import OptimConfig
-from arbor.tasks.registry import get_task
 from arbor.engine.config import EngineConfig
 from arbor.train.config import C3POConfig, RLConfig, RLRolloutConfig, engine_config
 from arbor.train.rl import RLTrainer
-from arbor.train.run import make_engine
+from arbor.train.run import make_engine, rl_task
 
 from tests.float64_ref import engine_gap
 from tests.test_rl_loop import tiny  # noqa: F401  (the module-scoped tiny model fixture)
@@ -96,7 +95,7 @@ def test_overlap_with_an_own_copy_trains_the_given_model(tiny, one_thread):
                  rollout=RLRolloutConfig(max_turn_tokens=24, max_context=200, temperature=1.0, branch=[4], overlap=True))
     given = copy.deepcopy(model)
     engine, sampling = make_engine(given, tok, engine_config(cfg))
-    trainer = RLTrainer(cfg, given, tok, engine, sampling, get_task(cfg.task))
+    trainer = RLTrainer(cfg, given, tok, engine, sampling, rl_task(cfg, tok))
     rows = [asyncio.run(trainer.train_step()) for _ in range(3)]
     assert trainer.model is given and trainer.engine.engine.model is not given
     assert [r["staleness"] for r in rows] == [0, 1, 1]

@@ -59,14 +59,14 @@ class ThreeTurns:
     def __init__(self):
         self.turns = 0
 
-    async def reset(self):
+    async def reset(self, row):
         return [{"role": "user", "content": "go"}]
 
-    async def step(self, action):
+    async def step(self, message):
         self.turns += 1
         return (None, float(self.turns), True) if self.turns == 3 else (f"obs{self.turns}", 0.0, False)
 
-    def verify(self, action):
+    def score(self, message):
         return 0.0
 
     def fork(self):
@@ -82,7 +82,7 @@ def test_tree_branches_at_chosen_turns(tiny):
     col = trainer.collector
 
     async def go():
-        pool = await col.start(ThreeTurns(), 0, None, 0)
+        pool = await col.start(ThreeTurns(), {}, 0, None, 0)
         return await col.run_iteration(pool, 0)
 
     (tree,), left, _ = asyncio.run(go())
@@ -102,9 +102,9 @@ def test_tree_branches_at_chosen_turns(tiny):
 class SlowTool(ThreeTurns):
     """ThreeTurns whose tool answers after a fixed latency (prefills of observations arrive while others decode)."""
 
-    async def step(self, action):
+    async def step(self, message):
         await asyncio.sleep(0.02)
-        return await super().step(action)
+        return await super().step(message)
 
     def fork(self):
         env = SlowTool()
@@ -123,7 +123,7 @@ def test_pd_multiplex_rollouts_equal_prefill_first(tiny):
         col = trainer.collector
 
         async def go():
-            pool = [e for g in range(3) for e in await col.start(SlowTool(), g, None, 0)]
+            pool = [e for g in range(3) for e in await col.start(SlowTool(), {}, g, None, 0)]
             return await col.run_iteration(pool, 0)
 
         trees, left, _ = asyncio.run(go())
@@ -159,7 +159,7 @@ def test_c3po_drops_groups_older_than_max_age(tiny):
 
     async def go():
         trainer.pool = [e for group, born in ((0, 2), (1, 3), (2, 4))
-                        for e in await col.start(ThreeTurns(), group, None, born)]
+                        for e in await col.start(ThreeTurns(), {}, group, None, born)]
         return await trainer.collect(iteration=5)
 
     trees, left, stats = asyncio.run(go())

@@ -7,8 +7,9 @@ import torch
 
 from arbor.models import CausalLM, ModelConfig, load_model
 from arbor.models.tokenizer import builtin_tokenizer
+from arbor.data.tools import tool_from_function
 from arbor.rollout.chat import transcript_ids
-from arbor.tasks.registry import get_task
+from arbor.tasks import arithmetic
 from arbor.train.optim import OptimConfig
 from arbor.train.sft import SFTConfig, SFTRunConfig, run_sft, sft
 from arbor.train.tree_batch import TreeConfig
@@ -18,8 +19,8 @@ SMALL = dict(architecture="Qwen3ForCausalLM", vocab_size=128, hidden_size=64, in
 
 
 def examples(n=64):
-    tok, task = builtin_tokenizer(), get_task("arithmetic")
-    return tok, [transcript_ids(tok, task.demonstration(p)) for p in task.generate(n, seed=0)]
+    tok, tools = builtin_tokenizer(), [tool_from_function(arithmetic.calc).schema]
+    return tok, [transcript_ids(tok, row["messages"], tools) for row in arithmetic.rows(n, seed=0)]
 
 
 def test_tree_sft_equals_packed_sft():
@@ -62,19 +63,17 @@ def test_sft_lowers_the_loss():
 
 def test_run_sft_writes_a_loadable_folder_and_uses_demo_options(tmp_path, monkeypatch):
     seen = []
-    task = get_task("arithmetic")
-    real = task.demonstration
+    real = arithmetic.rows
 
-    def spy(p, **kw):
+    def spy(n, seed, split="train", **kw):
         seen.append(kw)
-        return real(p, **kw)
+        return real(n, seed, split, **kw)
 
-    monkeypatch.setattr(task, "demonstration", spy)
-    monkeypatch.setattr("arbor.tasks.registry.get_task", lambda name: task)
+    monkeypatch.setattr(arithmetic, "rows", spy)
     cfg = SFTRunConfig(model="tiny", demos=16, out=str(tmp_path / "sft"), demo_options={"mental_rate": 0.5},
                        train=SFTConfig(steps=2, batch_tokens=600))
     model, tok, hist = run_sft(cfg)
-    assert seen and all(kw == {"mental_rate": 0.5} for kw in seen)
+    assert seen == [{"mental_rate": 0.5}]
     loaded = load_model(tmp_path / "sft", dtype=torch.float32)
     for (name, p), q in zip(model.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)       # float32 saved and loaded: bit for bit

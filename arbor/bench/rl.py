@@ -121,8 +121,10 @@ def run_arbor(model_dir, w: Workload, steps: int, engine_dtype: str, device: str
 def trl_completion(w: Workload, tok) -> int:
     """Tokens TRL generates per sample for ``w``: the flattened rest of a trajectory (model turns +
     mean tool turns with their chat framing)."""
-    from arbor.rollout.chat import env_turn_ids
-    tool = (w.tool_min + w.tool_max) // 2 + len(env_turn_ids(tok, ""))
+    from arbor.rollout.chat import ChatLayout
+    framing = ChatLayout(tok).env_turn_ids([{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+                                           [{"role": "tool", "content": ""}])
+    tool = (w.tool_min + w.tool_max) // 2 + len(framing)
     return w.turns * w.new_tokens + (w.turns - 1) * tool
 
 

@@ -9,10 +9,9 @@ import torch
 from arbor.models import CausalLM
 from arbor.models.presets import preset_config
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.tasks.registry import get_task
 from arbor.train.config import RLConfig, engine_config
 from arbor.train.rl import RLTrainer
-from arbor.train.run import make_engine
+from arbor.train.run import make_engine, rl_task
 
 
 def tiny_model(preset: str = "tiny", seed: int = 0, device="cpu"):
@@ -25,4 +24,4 @@ def make_trainer(cfg: RLConfig, model, tok) -> RLTrainer:
     """A trainer on its own copy of ``model`` (so runs compared side by side start equal)."""
     model = copy.deepcopy(model)
     engine, sampling = make_engine(model, tok, engine_config(cfg))
-    return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task))
+    return RLTrainer(cfg, model, tok, engine, sampling, rl_task(cfg, tok))

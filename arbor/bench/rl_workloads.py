@@ -17,6 +17,7 @@ word) for a sub-word one: text is grown word by word until it encodes to the wan
 
 from __future__ import annotations
 
+import copy
 import random
 import zlib
 from dataclasses import dataclass
@@ -95,31 +96,30 @@ class BenchEnvironment:
     every turn but the last; reward on the last turn."""
     ignore_eos = True
 
-    def __init__(self, w: Workload, tok, system: str, problem: Problem):
-        self.w, self.tok, self.system, self.problem = w, tok, system, problem
+    def __init__(self, w: Workload, tok, system: str):
+        self.w, self.tok, self.system = w, tok, system
         self.max_turn_tokens = w.new_tokens
-        self.turns = 0
+        self.problem, self.turns = None, 0
 
-    async def reset(self) -> list[dict]:
-        self.turns = 0
+    async def reset(self, row: dict) -> list[dict]:
+        self.problem, self.turns = Problem(row["index"], row["prompt"]), 0
         msgs = [{"role": "system", "content": self.system}] if self.system else []
         return msgs + [{"role": "user", "content": self.problem.question}]
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, message: dict) -> StepResult:
+        action = message["content"]
         self.turns += 1
         if self.turns >= self.w.turns:
             return StepResult(None, score(action), True)
         h = zlib.crc32(f"{self.problem.index}/{self.turns}/{action}".encode())
         n = random.Random(h).randint(self.w.tool_min, self.w.tool_max)
-        return StepResult(text_of_tokens(self.tok, n, h), 0.0, False)
+        return StepResult([{"role": "tool", "content": text_of_tokens(self.tok, n, h)}], 0.0, False)
 
-    def verify(self, action: str) -> float:
-        return score(action)
+    def score(self, message: dict) -> float:
+        return score(message["content"])
 
     def fork(self) -> "BenchEnvironment":
-        env = BenchEnvironment(self.w, self.tok, self.system, self.problem)
-        env.turns = self.turns
-        return env
+        return copy.copy(self)
 
 
 def questions(n: int, seed: int = 0) -> list[str]:
@@ -128,29 +128,20 @@ def questions(n: int, seed: int = 0) -> list[str]:
     return [f"Say {rng.choice(LETTERS)} {rng.randint(2, 9)}x." for _ in range(n)]
 
 
-def make_task(w: Workload, tok):
-    """→ a ``tasks.registry.Task`` whose problems are this workload's prompts."""
+def make_task(w: Workload, tok, n: int = 4096, seed: int = 0):
+    """→ a ``tasks.registry.Task`` whose rows are this workload's prompts."""
     from arbor.tasks.registry import Task
     system = text_of_tokens(tok, w.system_tokens, 512) if w.system_tokens else ""
-
-    def generate(n, seed=0, split="train"):
-        return [Problem(i, q) for i, q in enumerate(questions(n, seed))]
-
-    return Task(f"bench-{w.name}", generate, lambda p: BenchEnvironment(w, tok, system, p),
-                lambda p: [{"role": "user", "content": p.question}, {"role": "assistant", "content": "a"}],
-                lambda p, text: score(text) == 1.0)
+    rows = [{"prompt": q, "index": i} for i, q in enumerate(questions(n, seed))]
+    return Task(f"bench-{w.name}", rows, rows, lambda: BenchEnvironment(w, tok, system))
 
 
 def prompt_texts(w: Workload, tok, n: int, seed: int = 0) -> list[str]:
     """The chat-templated prompt strings of the first ``n`` problems (what TRL is given: the same ids)."""
     from arbor.rollout.chat import prompt_ids
     import asyncio
-    task = make_task(w, tok)
-    out = []
-    for p in task.generate(n, seed):
-        msgs = asyncio.run(task.make_env(p).reset())
-        out.append(tok.decode(prompt_ids(tok, msgs)))
-    return out
+    task = make_task(w, tok, n, seed)
+    return [tok.decode(prompt_ids(tok, asyncio.run(task.make_env().reset(row)))) for row in task.train]
 
 
 def default_model(folder, seed: int = 0):

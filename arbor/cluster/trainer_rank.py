@@ -46,9 +46,8 @@ class TrainerRank:
         from arbor.distributed import init_distributed
         from arbor.models import ModelConfig, load_model
         from arbor.models.tokenizer import Tokenizer
-        from arbor.tasks.registry import get_task
         from arbor.train.rl import RLTrainer
-        from arbor.train.run import sampling_factory
+        from arbor.train.run import print_notes, rl_task, sampling_factory
         torch.set_num_threads(max(1, threads))
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
@@ -57,8 +56,10 @@ class TrainerRank:
         model = load_model(cfg.model, dtype=torch.float32, device=cfg.device, ctx=ctx)
         tok = Tokenizer.load(cfg.model)
         self.engine = RemoteEngine(manager, ctx, model, weight_sync, cfg.dist.timeout_s)
+        task = rl_task(cfg, tok)
+        print_notes(task, ctx)
         self.trainer = RLTrainer(cfg, model, tok, self.engine, sampling_factory(tok, bool(model.config.moe_layers)),
-                                 get_task(cfg.task), ctx)
+                                 task, ctx)
         self.cfg = cfg
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "threads": torch.get_num_threads()}
@@ -70,7 +71,7 @@ class TrainerRank:
         history = asyncio.run(self.trainer.run())
         out = Path(self.cfg.out)
         if self.trainer.ctx.is_main:
-            plot_history(history, out / "reward.png", f"{self.cfg.task} RL (Ray)")
+            plot_history(history, out / "reward.png", f"{self.trainer.task.name} RL (Ray)")
         save_trainer(out / "final", self.trainer)
         return history if self.trainer.ctx.is_main else []
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jinja2
+import jinja2.meta
 import tokenizers
+from datetime import datetime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
@@ -27,11 +30,22 @@ SPECIAL_TOKENS = [
 # "special": decode(..., skip_special_tokens=True) keeps them so tool calls stay parseable.
 NON_SPECIAL_TAGS = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}
 
+# ChatML, with tools as Qwen-style templates take them: the schemas' names and parameters in the
+# system turn, calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the parser
+# `arbor.models.tool_calls` picks for this template), results as "tool" turns.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n' }}{% endif %}"
+    "Tools:{% for t in tools %} {{ t['function']['name'] }}({{ t['function']['parameters']['properties'] | join(',') }})"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\":' + (f['name'] | tojson) + ',\"arguments\":' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson(separators=(',', ':'))) }}"
+    "{{ '}</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 DEFAULT_MODEL_MAX_LENGTH = 32768
@@ -45,7 +59,29 @@ def _token_str(value) -> str | None:
 
 
 def _raise_exception(message):
-    raise ValueError(message)
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' ``tojson`` filter: plain ``json.dumps`` (Jinja's own escapes HTML characters)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(source: str):
+    """The Jinja2 environment transformers renders chat templates in (sandboxed, ``trim_blocks``,
+    ``lstrip_blocks``, loop controls, its ``tojson``, ``raise_exception`` and ``strftime_now``)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
 
 
 class Tokenizer:
@@ -53,19 +89,17 @@ class Tokenizer:
 
     def __init__(self, tok: tokenizers.Tokenizer, eos_token: str = "<|im_end|>",
                  pad_token: str = "<|endoftext|>", chat_template: str = CHATML_TEMPLATE,
-                 model_max_length: int = DEFAULT_MODEL_MAX_LENGTH):
+                 model_max_length: int = DEFAULT_MODEL_MAX_LENGTH, bos_token: str | None = None):
         self.tok = tok
         self.eos_token = eos_token
         self.pad_token = pad_token
+        self.bos_token = bos_token
         self.chat_template = chat_template
         self.model_max_length = model_max_length
         self.eos_token_id = self.token_id(eos_token)
         self.pad_token_id = self.token_id(pad_token)
         self.mask_token_id = tok.token_to_id("<|mask|>")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_exception
-        self._template = env.from_string(chat_template)
+        self._template = compile_template(chat_template)
 
     # ---------------------------------------------------------------- load / save
     @classmethod
@@ -82,7 +116,7 @@ class Tokenizer:
         cfg_file = folder / "tokenizer_config.json"
         if cfg_file.is_file():
             cfg = json.loads(cfg_file.read_text())
-            for key in ("eos_token", "pad_token"):
+            for key in ("eos_token", "pad_token", "bos_token"):
                 if _token_str(cfg.get(key)):
                     kwargs[key] = _token_str(cfg[key])
             if isinstance(cfg.get("chat_template"), str):
@@ -106,6 +140,7 @@ class Tokenizer:
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
+            **({"bos_token": self.bos_token} if self.bos_token else {}),
             "chat_template": self.chat_template,
             "model_max_length": self.model_max_length,
             "clean_up_tokenization_spaces": False,
@@ -138,13 +173,31 @@ class Tokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     # ---------------------------------------------------------------- chat
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable (renders tool schemas)."""
+        return "tools" in jinja2.meta.find_undeclared_variables(self._template.environment.parse(self.chat_template))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True) -> list[int] | str:
-        """Render `messages` ([{"role", "content"}]) with the Jinja2 chat template; with
-        `tokenize`, return `encode(rendered)`."""
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     eos_token=self.eos_token, pad_token=self.pad_token,
-                                     bos_token="")
+                            tokenize: bool = True, tools: list[dict] | None = None, **template_kwargs) -> list[int] | str:
+        """Render ``messages`` (OpenAI-format dicts: role, content, optional tool_calls) with the chat
+        template as transformers does: ``tools`` (OpenAI function schemas), ``add_generation_prompt``,
+        the special tokens, and extra template variables (``enable_thinking=False``, …); with
+        ``tokenize``, return ``encode(rendered)``. A template that fails raises ValueError naming
+        the error (an undefined variable names the variable)."""
+        if tools and not self.supports_tools:
+            raise ValueError("this model's chat template does not render tools (it never reads a `tools` variable); "
+                             "use a model whose template does (Qwen2.5/Qwen3, Llama 3.1, Arbor's built-in), or no tools")
+        variables = {"eos_token": self.eos_token, "pad_token": self.pad_token, "bos_token": self.bos_token or "",
+                     **template_kwargs}
+        try:
+            text = self._template.render(messages=messages, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template failed to render: {type(e).__name__}: {e}") from None
+        except (TypeError, AttributeError, KeyError) as e:
+            raise ValueError(f"the chat template failed to render ({type(e).__name__}: {e}); check the messages' "
+                             "fields (role, content, tool_calls) and data.template_kwargs") from None
         return self.encode(text) if tokenize else text
 
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from arbor.rollout.chat import env_turn_ids, prompt_ids
+from arbor.rollout.chat import ChatLayout
+from arbor.rollout.environment import maybe_await, observation_messages
 from arbor.rollout.tree import Node, RolloutTree, Segment
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ def _resumed_routing(before, base: int, fresh):
 
 @dataclass
 class RolloutConfig:
-    max_turn_tokens: int = 48
-    max_context: int = 512
+    max_turn_tokens: int = 64
+    max_context: int = 640
+    max_turns: int = 6               # model turns of an episode with tools (the last one is scored)
+    tool_timeout_s: float = 10.0     # bound on one tool call; a timeout is an "error: …" tool message
     temperature: float = 1.0
     top_p: float = 1.0
     branch: list[int] = field(default_factory=lambda: [4])
@@ -55,6 +58,7 @@ class RolloutConfig:
         from arbor.configs import check
         check(self, (self.max_turn_tokens >= 1, "max_turn_tokens", "must be ≥ 1"),
               (self.max_context >= 2, "max_context", "must be ≥ 2"), (self.temperature >= 0, "temperature", "must be ≥ 0"),
+              (self.max_turns >= 1, "max_turns", "must be ≥ 1"), (self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0"),
               (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
               (len(self.branch) >= 1 and all(b >= 1 for b in self.branch), "branch", "must be a non-empty list of counts ≥ 1"))
 
@@ -65,6 +69,7 @@ class Episode:
     env: object
     node: Node                     # the node the next model turn hangs from
     prefix: list[int]
+    messages: list[dict]           # the chat so far, as the template renders it (model turns as sampled text)
     turn: int
     path: tuple[int, ...]
     born: int                      # iteration the group started
@@ -73,29 +78,53 @@ class Episode:
 
 
 class Collector:
-    def __init__(self, engine: EngineClient, tokenizer, cfg: RolloutConfig, sampling_factory):
+    def __init__(self, engine: EngineClient, tokenizer, cfg: RolloutConfig, sampling_factory, template_kwargs=None):
         """``engine``: any streaming front end (``arbor.engine.client.EngineClient``: its ``generate``);
-        sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos) → the engine's SamplingParams."""
+        sampling_factory(max_tokens, temperature, top_p, seed, ignore_eos) → the engine's SamplingParams;
+        ``template_kwargs``: extra chat-template variables (``data.template_kwargs``)."""
+        from arbor.models.tool_calls import parser_for_template
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.sampling = sampling_factory
+        self.template_kwargs = dict(template_kwargs or {})
+        self.parser = parser_for_template(tokenizer.chat_template) if tokenizer.supports_tools else None
         self.version = 0
 
-    async def start(self, env, group: int, task, iteration: int) -> list[Episode]:
-        messages = await env.reset()
-        ids = prompt_ids(self.tok, messages)
+    async def start(self, env, row, group: int, task, iteration: int) -> list[Episode]:
+        """The episodes of a new group: ``env.reset(row)``'s prompt, forked per ``branch[0]``."""
+        messages = await maybe_await(env.reset(row))
+        tools = getattr(env, "tools", None)
+        if tools and self.parser is None:
+            raise ValueError("the environment offers tools but the model's chat template does not render them "
+                             "(no `tools` variable, or no known tool-call format); use a model whose template does")
+        ids = self.layout(env).prompt_ids(messages)
         tree = RolloutTree(Node(Segment(ids, is_model=False)), group, task)
-        return self._fork(Episode(tree, env, tree.root, ids, 0, (), iteration))
+        return self._fork(Episode(tree, env, tree.root, ids, messages, 0, (), iteration))
+
+    def layout(self, env) -> ChatLayout:
+        return ChatLayout(self.tok, getattr(env, "tools", None), self.template_kwargs)
 
     def _fork(self, ep: Episode) -> list[Episode]:
         k = self.cfg.branch[ep.turn] if ep.turn < len(self.cfg.branch) else 1
         if k == 1:
             return [ep]
-        return [Episode(ep.tree, ep.env.fork(), ep.node, ep.prefix, ep.turn, ep.path + (j,), ep.born)
-                for j in range(k)]
+        return [Episode(ep.tree, ep.env.fork(), ep.node, ep.prefix, ep.messages, ep.turn, ep.path + (j,),
+                        ep.born) for j in range(k)]
 
     def _seed(self, ep: Episode) -> int:
         key = f"{self.cfg.seed}/{ep.tree.group}/{ep.path}/{ep.turn}".encode()
         return zlib.crc32(key)
+
+    def assistant_message(self, text: str) -> dict:
+        """The model's turn as an OpenAI assistant message (``arbor.rollout.environment``)."""
+        if self.parser is None:
+            return {"role": "assistant", "content": text}
+        turn = self.parser.parse(text)
+        msg = {"role": "assistant", "content": turn.content,
+               "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                              for c in turn.calls]}
+        if turn.errors:
+            msg["tool_call_errors"] = list(turn.errors)
+        return msg
 
     async def _model_turn(self, ep: Episode, stop: asyncio.Event) -> list[Episode]:
         """Generate (the rest of) one model turn, then step the env; → the episodes that follow
@@ -128,23 +157,28 @@ class Collector:
         text = self.tok.decode([t for t in part.tokens if t != self.tok.eos_token_id])
         node = Node(part, text=text)
         ep.node.children.append(node)
-        obs, reward, done = await ep.env.step(text)
+        message = self.assistant_message(text)
+        obs, reward, done = await maybe_await(ep.env.step(message))
         truncated = (self.cfg.end_on_truncation and finish == "length"
                      and part.tokens[-1:] != [self.tok.eos_token_id])
-        env_ids = [] if done else env_turn_ids(self.tok, obs)
+        history = ep.messages + [{"role": "assistant", "content": text}]
+        obs = [] if done else observation_messages(obs)
+        env_ids = [] if done or truncated else self.layout(ep.env).env_turn_ids(history, obs)
         if done or truncated or len(ep.prefix) + len(part.tokens) + len(env_ids) >= self.cfg.max_context:
-            node.reward = reward if done else float(ep.env.verify(text))
+            score = getattr(ep.env, "score", None)
+            node.reward = reward if done else (float(await maybe_await(score(message))) if score else 0.0)
             ep.done = True
             return []
         env_node = Node(Segment(env_ids, is_model=False))
         node.children.append(env_node)
-        nxt = Episode(ep.tree, ep.env, env_node, ep.prefix + part.tokens + env_ids, ep.turn + 1, ep.path, ep.born)
+        nxt = Episode(ep.tree, ep.env, env_node, ep.prefix + part.tokens + env_ids, history + obs,
+                      ep.turn + 1, ep.path, ep.born)
         return self._fork(nxt)
 
     async def run_iteration(self, pool: list[Episode], iteration: int, budget: int | None = None,
                             new_group=None, capacity: int = 0, max_age: int | None = None, on_finished=None):
         """Advance ``pool`` until finished groups hold ``budget`` model tokens (None: until every
-        group finishes). ``new_group()`` → (env, task) refills the pool to ``capacity`` groups.
+        group finishes). ``new_group()`` → (env, row, task, group) refills the pool to ``capacity`` groups.
         ``on_finished(tree)`` is called as each group finishes (progress reporting).
         Groups started more than ``max_age`` iterations ago (C3PO++'s σ) are dropped first.
         → (finished trees, episodes left for the next iteration, stats)."""
@@ -168,8 +202,8 @@ class Collector:
 
         async def refill():
             while new_group is not None and len(open_eps) < capacity and not stop.is_set():
-                env, task, group = new_group()
-                for ep in await self.start(env, group, task, iteration):
+                env, row, task, group = new_group()
+                for ep in await self.start(env, row, group, task, iteration):
                     track(ep)
                     launch(ep)
 

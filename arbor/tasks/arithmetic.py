@@ -1,4 +1,7 @@
-"""Built-in multi-step arithmetic task with a calculator tool.
+"""Built-in multi-step arithmetic task with a calculator tool, written against the public API: rows
+(``rows``), a tool (``calc``: a typed Python function with a docstring) and an Arbor-form reward
+(``reward(prompt, completion, **row)``) — what ``arbor train task=arithmetic`` trains on, and what
+``examples/arithmetic`` writes to files.
 
 A problem is a left-to-right chain v0 op1 b1 op2 b2 ... with ops in {+, -, *} and operands
 in 1..max_operand, written with the fewest parentheses that keep that order, e.g.
@@ -23,14 +26,12 @@ from dataclasses import dataclass
 
 from arbor.tasks.splits import split_of
 
-from arbor.rollout.environment import parse_tool_call  # noqa: F401  (re-exported: the task's tool-call syntax)
-
 MAX_VALUE = 10_000          # bound on |intermediate value| of generated problems
 CALC_MAX_ABS = 10**12       # calculator rejects any literal or result beyond this
 CALC_MAX_LEN = 200          # calculator rejects longer inputs
 _OPS = ("+", "-", "*")
 
-SYSTEM_PROMPT = "Compute one step at a time with <tool_call>EXPR</tool_call>, then reply Answer: N."
+SYSTEM_PROMPT = "Compute one step at a time with the calc tool, then reply Answer: N."
 
 
 @dataclass(frozen=True)
@@ -158,9 +159,35 @@ def is_correct(problem: ArithmeticProblem, final_text: str) -> bool:
     return parse_answer(final_text) == problem.answer
 
 
+def calc(expr: str) -> str:
+    """Evaluate an integer expression.
+
+    Args:
+        expr: integers with + - * and parentheses, e.g. (17+25)*3
+    """
+    return calculator(expr)
+
+
+def reward(prompt, completion: str, answer, **row) -> float:
+    """1.0 when the integer after the last "Answer:" of the final turn equals the row's ``answer``."""
+    return float(parse_answer(completion) == int(answer))
+
+
+def tool_call(name: str, arguments: dict) -> dict:
+    """An OpenAI-format assistant message calling one tool (the chat template renders the call)."""
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": name, "arguments": arguments}}]}
+
+
+def rows(n: int, seed: int, split: str = "train", mental_rate: float = 0.0, **options) -> list[dict]:
+    """``n`` dataset rows: ``prompt`` (the question), ``answer`` and ``messages`` (the demonstration)."""
+    return [{"prompt": p.question, "answer": p.answer, "messages": demonstration(p, mental_rate)}
+            for p in generate_problems(n, seed, split, **options)]
+
+
 def demonstration(problem: ArithmeticProblem, mental_rate: float = 0.0, mental_max_steps: int = 2) -> list[dict]:
-    """The solver's chat: system, user(question), then per step an assistant
-    "<tool_call>STEP</tool_call>" turn and a "tool" turn with its value, then "Answer: N".
+    """The solver's chat: system, user(question), then per step an assistant turn calling ``calc``
+    with the step and a "tool" turn with its value, then "Answer: N".
 
     ``mental_rate`` > 0 makes the solver answer the way a strong human does: on that fraction of
     the short problems (at most ``mental_max_steps`` steps) it skips the tool and replies
@@ -175,7 +202,7 @@ def demonstration(problem: ArithmeticProblem, mental_rate: float = 0.0, mental_m
                 {"role": "user", "content": problem.question}]
     mental = len(problem.steps) <= mental_max_steps and _unit_hash(problem.question) < mental_rate
     for step in () if mental else problem.steps:
-        messages.append({"role": "assistant", "content": f"<tool_call>{step}</tool_call>"})
+        messages.append(tool_call("calc", {"expr": step}))
         messages.append({"role": "tool", "content": calculator(step)})
     messages.append({"role": "assistant", "content": f"Answer: {problem.answer}"})
     return messages

@@ -9,6 +9,7 @@ verifiable, so a policy learns it from random init, while its rollout cost has a
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass
 
@@ -39,25 +40,34 @@ def score(problem: LongTailProblem, text: str) -> float:
 
 
 class LongTailEnvironment:
-    """One model turn; reward = score. ``max_turn_tokens`` and ``ignore_eos`` fix its length."""
+    """One model turn; reward = score. ``max_turn_tokens`` and ``ignore_eos`` fix its length (an
+    environment of the public protocol, ``arbor.rollout.environment``: ``env=arbor.tasks.longtail:LongTailEnvironment``)."""
     system_prompt = "Follow the instruction."
 
-    def __init__(self, problem: LongTailProblem):
+    def __init__(self, problem: LongTailProblem | None = None):
         self.problem = problem
-        self.max_turn_tokens = problem.length
+        self.max_turn_tokens = problem.length if problem else 1
         self.ignore_eos = True
 
-    async def reset(self) -> list[dict]:
+    async def reset(self, row: dict | None = None) -> list[dict]:
+        if row is not None:
+            self.problem = LongTailProblem(row["letter"], int(row["length"]))
+            self.max_turn_tokens = self.problem.length
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": self.problem.question}]
 
-    async def step(self, action: str) -> StepResult:
-        return StepResult(None, score(self.problem, action), True)
+    async def step(self, message: dict) -> StepResult:
+        return StepResult(None, self.score(message), True)
 
-    def verify(self, action: str) -> float:
-        return score(self.problem, action)
+    def score(self, message: dict) -> float:
+        return score(self.problem, message["content"])
 
     def fork(self) -> "LongTailEnvironment":
-        return LongTailEnvironment(self.problem)
+        return copy.copy(self)
+
+
+def rows(n: int, seed: int, split: str = "train") -> list[dict]:
+    return [{"prompt": p.question, "letter": p.letter, "length": p.length, "messages": demonstration(p)}
+            for p in generate_problems(n, seed, split)]
 
 
 def demonstration(problem: LongTailProblem) -> list[dict]:

@@ -1,8 +1,8 @@
 """Built-in task: questions that are easy with a Python interpreter and hard without one.
 
-The model writes a program in ``<tool_call>CODE</tool_call>``; the environment runs it in
-`arbor.rollout.sandbox` and replies with a "tool" message holding the program's stdout (or a
-one-line error / timeout); the model finishes with "Answer: X".
+The model calls the ``python`` tool with a program; the tool runs it in `arbor.rollout.sandbox` and
+the "tool" message holds the program's stdout (or a one-line error / timeout); the model finishes
+with "Answer: X". Written against the public API: ``rows``, the tool ``python``, ``reward``.
 
 Families (each question states its conventions, e.g. F(0) = 0, F(1) = 1):
 sums of k-th powers of 1..n, digit sums of a**b, counting primes below N, gcd / lcm of
@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 from arbor.tasks.splits import split_of
 
-from arbor.rollout.environment import ToolEnvironment
 from arbor.rollout.sandbox import SandboxConfig, check_isolation, run_python_async
 
 
 SYSTEM_PROMPT = (
-    "Solve the problem by writing Python. Put a complete program inside "
-    "<tool_call>...</tool_call>; it runs in a fresh interpreter (standard library only, no "
+    "Solve the problem by writing Python. Pass a complete program to the python tool; "
+    "it runs in a fresh interpreter (standard library only, no "
     "network, a few seconds of time), and its printed output comes back to you in a tool "
     "message, or the error if it failed. You may call the tool several times. When you know "
     "the result, reply with \"Answer: X\" and no tool call."
@@ -159,21 +158,36 @@ async def run_tool(code: str, config: SandboxConfig = SandboxConfig()) -> str:
     return (await run_python_async(code, config)).as_observation()
 
 
+def check_sandbox(config: SandboxConfig = SandboxConfig()) -> None:
+    """Raise ``SandboxUnavailable`` at once (when the task loads, not at the first tool call) if the
+    sandbox would isolate weakly and ``config`` (or ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1) does not allow it."""
+    check_isolation(config)
+
+
+async def python(code: str) -> str:
+    """Run a Python program in a fresh sandboxed interpreter and return what it prints.
+
+    Args:
+        code: a complete program (standard library only, no network, a few seconds)
+    """
+    return await run_tool(code)
+
+
+def reward(prompt, completion: str, answer, **row) -> float:
+    return float(is_correct(PythonProblem(str(prompt), str(answer)), completion))
+
+
 def demonstration(problem: PythonProblem) -> list[dict]:
-    """The ideal solver's chat: system, user(question), assistant "<tool_call>SOLUTION</tool_call>",
-    tool (the solution's stdout: the answer and a newline), assistant "Answer: X"."""
+    """The ideal solver's chat: system, user(question), an assistant turn calling ``python`` with the
+    solution, tool (the solution's stdout: the answer and a newline), assistant "Answer: X"."""
     return [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": problem.question},
-            {"role": "assistant", "content": f"<tool_call>\n{problem.solution}\n</tool_call>"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "python", "arguments": {"code": problem.solution}}}]},
             {"role": "tool", "content": f"{problem.answer}\n"},
             {"role": "assistant", "content": f"Answer: {problem.answer}"}]
 
 
-def make_environment(problem: PythonProblem, config: SandboxConfig = SandboxConfig(),
-                     max_turns: int = 6) -> ToolEnvironment:
-    """A `ToolEnvironment` whose tool runs the model's code in the sandbox; reward 1.0 iff correct.
-    Raises `SandboxUnavailable` at once when the sandbox would isolate weakly and ``config`` (or
-    ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1) does not allow it, rather than at the first tool call."""
-    check_isolation(config)
-    return ToolEnvironment(SYSTEM_PROMPT, problem.question, lambda code: run_tool(code, config),
-                           lambda text: float(is_correct(problem, text)), max_turns)
+def rows(n: int, seed: int, split: str = "train") -> list[dict]:
+    return [{"prompt": p.question, "answer": p.answer, "messages": demonstration(p)}
+            for p in generate_problems(n, seed, split)]

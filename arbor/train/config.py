@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from arbor.configs import check
+from arbor.data.config import DataConfig, EvalConfig
+from arbor.data.rewards import RewardConfig
 from arbor.distributed import DistConfig
 from arbor.engine.config import EngineConfig
 from arbor.rollout.collector import RolloutConfig
@@ -88,7 +90,11 @@ DERIVED_ENGINE_KEYS = {"device": "device", "max_model_len": f"rollout.max_contex
 class RLConfig:
     model: str = "runs/demo/sft"
     out: str = "runs/rl"
-    task: str = "arithmetic"
+    task: str = "arithmetic"     # a built-in example (arithmetic, countdown, python, longtail), used when data.train is empty
+    data: DataConfig = field(default_factory=DataConfig)       # your rows: data.train=PATH, data.eval=PATH, data.prompt_key, …
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward.fns=["math", "my_rewards.py:fn"], reward.weights, …
+    tools: list[str] = field(default_factory=list)   # tool functions offered to the model: ["my_tools.py:search", …]
+    env: str = ""                # an environment instead of rows + rewards + tools: "my_env.py:MyEnv"
     seed: int = 0
     steps: int = 20
     groups_per_step: int = 8
@@ -98,7 +104,8 @@ class RLConfig:
     mini_batches: int = 1        # optimizer steps per pass (each on 1/mini_batches of the samples)
     device: str = "cpu"          # the trainer's device, and the engine's (engine.device follows it)
     eval_every: int = 0
-    eval_problems: int = 64
+    eval_problems: int = 64      # held-out rows evaluated (the first ones of data.eval, or the task's test split)
+    eval: EvalConfig = field(default_factory=EvalConfig)   # eval.samples=k (pass@k), eval.temperature, eval.table_rows
     checkpoint_every: int = 5
     resume: bool = True
     replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
@@ -136,6 +143,11 @@ class RLConfig:
               (self.eval_every >= 0, "eval_every", "must be ≥ 0"), (self.eval_problems >= 1, "eval_problems", "must be ≥ 1"),
               (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"), (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"),
               (self.old_logprobs in ("auto", "recompute"), "old_logprobs", "must be auto or recompute"))
+
+
+def max_prompt_tokens(cfg: RLConfig) -> int:
+    """``data.max_prompt_tokens``, or (0) the context left for one model turn."""
+    return cfg.data.max_prompt_tokens or max(1, cfg.rollout.max_context - cfg.rollout.max_turn_tokens)
 
 
 def engine_config(cfg: RLConfig) -> EngineConfig:

@@ -41,15 +41,14 @@ class DemoConfig:
                         optim=OptimConfig(lr=3e-3, warmup_steps=20, min_lr_ratio=1.0))))
     rl: RLConfig = field(default_factory=lambda: RLConfig(
         steps=30, eval_every=10, checkpoint_every=10, log=LogConfig(progress=False),
-        rollout=RolloutConfig(max_turn_tokens=24, max_context=400, temperature=0.7, branch=[4, 2]),
+        rollout=RolloutConfig(max_turn_tokens=64, max_context=640, temperature=0.7, branch=[4, 2]),
         optim=OptimConfig(lr=1e-4, warmup_steps=5, betas=(0.9, 0.999), min_lr_ratio=1.0),
         c3po=C3POConfig(enabled=True, token_budget=3000, capacity=24, max_age=2)))
 
 
 def demo(cfg: DemoConfig) -> dict:
-    from arbor.tasks.registry import get_task
     from arbor.train.rl import RLTrainer
-    from arbor.train.run import make_engine, plot_history
+    from arbor.train.run import make_engine, plot_history, rl_task
     from arbor.train.sft import run_sft
 
     out = Path(cfg.out)
@@ -66,7 +65,7 @@ def demo(cfg: DemoConfig) -> dict:
         """One engine (sharing the model's tensors) and trainer, for the SFT checks and for RL."""
         if "trainer" not in built:
             engine, sampling = make_engine(model, tok, engine_config(cfg.rl))
-            built["trainer"] = RLTrainer(cfg.rl, model, tok, engine, sampling, get_task(cfg.rl.task))
+            built["trainer"] = RLTrainer(cfg.rl, model, tok, engine, sampling, rl_task(cfg.rl, tok))
         return built["trainer"]
 
     def until(model, tok, step) -> bool:

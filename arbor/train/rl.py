@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from arbor.data.order import epoch_of, row_index
 from arbor.distributed import DistContext
 from arbor.models.sampling import SamplingSpec
 from arbor.rollout.collector import Collector
@@ -45,6 +46,7 @@ from arbor.train.config import RLConfig
 from arbor.train.distributed import global_count, set_recompute
 from arbor.train.loop import run_loop
 from arbor.train.optim import make_optimizer
+from arbor.train.rl_eval import evaluate_rows
 from arbor.train.rl_update import PolicyUpdate, flat
 from arbor.train.routepack_hook import RoutePackHook
 from arbor.train.run_log import RunLog
@@ -63,7 +65,8 @@ class RLTrainer(PolicyUpdate):
         self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
         self.prefetched = None             # overlap: the next step's (trees, pool, stats), rolled out at θ_t
         self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="arbor-rollout") if self.overlap else None
-        self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory)
+        self.task_template_kwargs = cfg.data.template_kwargs
+        self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory, self.task_template_kwargs)
         self.sampling_factory = sampling_factory
         set_recompute(model, cfg.recompute)
         self.optimizer = make_optimizer(model, cfg.optim)
@@ -74,19 +77,20 @@ class RLTrainer(PolicyUpdate):
         if cfg.loss.kl_coef > 0:     # frozen copy of the starting weights (shares the EP groups under EP)
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
             self.reference.gradient_checkpointing = False
-        self.problems = task.generate(max(4096, cfg.steps * cfg.c3po.capacity * 2), seed=cfg.seed, split="train")
+        self.rows = task.train
         self.step, self.next_problem, self.next_group = 0, 0, 0
         self.pool: list = []
         self.history: list[dict] = []
 
     # ---- collect ------------------------------------------------------------------------
     def new_group(self):
-        """→ (env, problem, group id): this rank's next problem; group ids are unique over ranks."""
+        """→ (env, row, row, group id): this rank's next row (``arbor.data.order``: seeded epochs);
+        group ids are unique over ranks."""
         W, r = self.ctx.world_size, self.ctx.rank
-        p = self.problems[(self.next_problem * W + r) % len(self.problems)]
+        row = self.rows[row_index(self.next_problem * W + r, len(self.rows), self.cfg.seed, self.cfg.data.shuffle)]
         self.next_problem += 1
         self.next_group += 1
-        return self.task.make_env(p), p, (self.next_group - 1) * W + r
+        return self.task.make_env(), row, row, (self.next_group - 1) * W + r
 
     async def collect(self, iteration: int | None = None):
         """→ (finished trees, episodes carried over, stats) of iteration ``iteration`` (default: this step)."""
@@ -100,8 +104,8 @@ class RLTrainer(PolicyUpdate):
                                                       c.capacity, c.max_age)
         pool = []
         for _ in range(self.cfg.groups_per_step):
-            env, p, g = self.new_group()
-            pool += await self.collector.start(env, g, p, iteration)
+            env, row, task, g = self.new_group()
+            pool += await self.collector.start(env, row, g, task, iteration)
         return await self.collector.run_iteration(pool, iteration)
 
     def _collect_on_thread(self, iteration: int, threads: int):
@@ -191,7 +195,10 @@ class RLTrainer(PolicyUpdate):
         if self.ctx.distributed:
             staleness = self.ctx.flags_max(staleness, name="staleness")[0]
             reward_sum = self.ctx.sum_floats([reward_sum], "rewards")[0]
-        row.update(staleness=int(staleness), reward=reward_sum / total, samples=total)
+        row.update(staleness=int(staleness), reward=reward_sum / total, samples=total,
+                   epoch=epoch_of(self.next_problem * self.ctx.world_size, len(self.rows)))
+        if self.task.rewards is not None:
+            row.update(self.task.rewards.drain())
         return row
 
     def _finish(self, row: dict, rollout_s: float) -> dict:
@@ -203,22 +210,17 @@ class RLTrainer(PolicyUpdate):
 
     # ---- eval ---------------------------------------------------------------------------
     async def evaluate(self, n: int | None = None, split: str = "test", progress: bool = False) -> float:
-        probs = self.task.generate(n or self.cfg.eval_problems, seed=self.cfg.seed + 1, split=split)
-        cfg = dataclasses.replace(self.cfg.rollout, temperature=0.0, branch=[1])
-        collector = Collector(self.engine, self.tok, cfg, self.sampling_factory)
-        pool = []
-        W, r = self.ctx.world_size, self.ctx.rank
-        from tqdm import tqdm
-        bar = tqdm(total=len(probs[r::W]), desc="eval", disable=not (progress and self.ctx.is_main))
-        async with self.engine.session():       # each rank its share of the problems
-            for g, p in enumerate(probs[r::W]):
-                pool += await collector.start(self.task.make_env(p), g, p, 0)
-            trees, _, _ = await collector.run_iteration(pool, 0, on_finished=lambda tree: bar.update(1))
-        bar.close()
-        correct = sum(tree.trajectories()[0].reward for tree in trees)
-        if self.ctx.distributed:
-            correct = self.ctx.sum_floats([correct], "eval")[0]
-        return correct / max(1, len(probs))
+        """Held-out accuracy (mean reward when rewards are not 0/1) on the first ``n`` (default
+        ``eval_problems``) rows of ``split`` (the task's eval rows, or "train"), greedy."""
+        metrics, _ = await self.evaluate_rows(n, split, samples=1, progress=progress)
+        return metrics.get("test_accuracy", metrics["eval_reward"])
+
+    async def evaluate_rows(self, n: int | None = None, split: str = "test", samples: int = 1,
+                            temperature: float = 1.0, table_rows: int = 0, progress: bool = False):
+        rows = (self.task.eval if split == "test" else self.rows)[:n or self.cfg.eval_problems]
+        if not rows:
+            raise ValueError("no held-out rows: set data.eval=PATH (or eval_every=0)")
+        return await evaluate_rows(self, rows, samples, temperature, table_rows, progress)
 
     # ---- checkpoints (arbor.train.checkpoint) ------------------------------------------
     @property
@@ -236,11 +238,20 @@ class RLTrainer(PolicyUpdate):
         self.prefetched = s.get("prefetched")     # overlap: the next step's batch, rolled out before the save
         random.setstate(s["python_rng"])
         self.routepack.load_state_dict(s.get("routepack"))
+        fresh = self.task.make_env()
+        for ep in self.pool:                # carried episodes: their loaded functions are not in the checkpoint
+            if hasattr(ep.env, "bind"):
+                ep.env.bind(fresh)
         self.engine.update_weights(self.model.state_dict())
 
     async def eval_row(self) -> dict:
-        """The held-out metrics ``run_loop`` adds to a row every ``eval_every`` steps."""
-        return {"test_accuracy": await self.evaluate()}
+        """The held-out metrics ``run_loop`` adds to a row every ``eval_every`` steps (``arbor.train.rl_eval``);
+        the sample completions go to the run log's table."""
+        e = self.cfg.eval
+        metrics, table = await self.evaluate_rows(samples=e.samples, temperature=e.temperature, table_rows=e.table_rows)
+        if table:
+            metrics["samples_table"] = table
+        return metrics
 
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
         """Train to ``cfg.steps`` (``rl_run``)."""

@@ -39,6 +39,25 @@ def make_engine(model, tokenizer, engine_cfg, ctx=None):
     return engine, sampling_factory(tokenizer, bool(model.config.moe_layers))
 
 
+def rl_task(cfg, tokenizer):
+    """The ``Task`` of an RL config (``arbor.tasks.registry.load_task``): its rows, environment,
+    rewards and tools; its notes (reward forms, dropped rows) are printed once."""
+    from arbor.tasks.registry import load_task
+    from arbor.train.config import max_prompt_tokens
+    task = load_task(task=cfg.task, data=cfg.data, reward=cfg.reward, tools=cfg.tools, env=cfg.env, seed=cfg.seed,
+                     n_train=max(4096, cfg.steps * cfg.c3po.capacity * 2), n_eval=cfg.eval_problems,
+                     tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens(cfg), max_turns=cfg.rollout.max_turns,
+                     tool_timeout_s=cfg.rollout.tool_timeout_s)
+    return task
+
+
+def print_notes(task, ctx=None) -> None:
+    import sys
+    if ctx is None or ctx.is_main:
+        for line in task.notes:
+            print(f"[{task.name}] {line}", file=sys.stderr, flush=True)
+
+
 def build_trainer(cfg):
     """Model, engine and RL trainer of ``cfg`` (an autoregressive model; ``arbor.families`` picks the trainer
     of other families); under ``arbor launch`` / torchrun each rank builds its own, with the experts of an
@@ -46,7 +65,6 @@ def build_trainer(cfg):
     from arbor.distributed import init_distributed
     from arbor.models import ModelConfig, load_model
     from arbor.models.tokenizer import Tokenizer
-    from arbor.tasks.registry import get_task
     from arbor.train.config import engine_config
     from arbor.train.rl import RLTrainer
     torch.manual_seed(cfg.seed)
@@ -54,7 +72,9 @@ def build_trainer(cfg):
     model = load_model(cfg.model, dtype=torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     engine, sampling = make_engine(model, tok, engine_config(cfg), ctx)
-    return RLTrainer(cfg, model, tok, engine, sampling, get_task(cfg.task), ctx)
+    task = rl_task(cfg, tok)
+    print_notes(task, ctx)
+    return RLTrainer(cfg, model, tok, engine, sampling, task, ctx)
 
 
 def plot_history(history: list[dict], path: Path, title: str = "") -> None:
@@ -83,7 +103,7 @@ def train(cfg, build=build_trainer) -> list[dict]:
     trainer = build(cfg)
     history = asyncio.run(trainer.run())
     if trainer.ctx.is_main:
-        plot_history(history, Path(cfg.out) / "reward.png", f"{cfg.task} RL")
+        plot_history(history, Path(cfg.out) / "reward.png", f"{getattr(trainer.task, 'name', cfg.task)} RL")
     save_trainer(Path(cfg.out) / "final", trainer)
     return history
 

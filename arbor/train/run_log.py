@@ -10,6 +10,8 @@ Invariants:
 - TensorBoard (``OUT/tb``) gets every numeric value when ``torch.utils.tensorboard`` imports;
   W&B gets them with ``log.wandb=true`` (``WANDB_MODE=offline`` is set when no API key is present,
   so it works without a network); the console shows a tqdm bar with ``log.bar_keys`` and the ETA.
+- A row's ``samples_table`` (a list of ``{"prompt", "completion", "reward"}``: held-out samples) is
+  not a metric: it goes to ``OUT/samples.jsonl`` (one line per step), TensorBoard text and a W&B table.
 - On a rank other than 0 (``enabled=False``) nothing is written or shown.
 """
 
@@ -79,6 +81,9 @@ class RunLog:
         """Append one step's row (adds ``seconds``); → the row as written."""
         now = time.perf_counter()
         row = {**row, "seconds": row.get("seconds", now - self.last)}
+        table = row.pop("samples_table", None)
+        if table and self.enabled and self.file is not None:
+            self._table(row["step"], table)
         self.last = now
         if not self.enabled or self.file is None:
             return row
@@ -97,6 +102,19 @@ class RunLog:
             self.bar.refresh()
         return row
 
+    def _table(self, step: int, table: list[dict]) -> None:
+        with (self.out / "samples.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "samples": table}, default=str) + "\n")
+        if self.tb is not None:
+            lines = ["| prompt | completion | reward |", "| --- | --- | --- |"]
+            lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['reward']:.3g} |" for r in table]
+            self.tb.add_text("eval/samples", "\n".join(lines), step)
+        if self.wandb is not None:
+            import wandb
+            self.wandb.log({"eval/samples": wandb.Table(columns=["prompt", "completion", "reward"],
+                                                        data=[[r["prompt"], r["completion"], r["reward"]] for r in table])},
+                           step=step)
+
     def close(self) -> None:
         if self.file is None:
             return
@@ -107,6 +125,10 @@ class RunLog:
                 sink.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")[:400]
 
 
 def _wandb_run(out: Path, log: LogConfig, cfg, name: str):

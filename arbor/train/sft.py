@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arbor.data.config import DataConfig
 from arbor.plan.packing import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.distributed import DistConfig, DistContext
@@ -105,11 +106,14 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
 
 @dataclass
 class SFTRunConfig:
-    """``arbor sft``: warm-start a model on a task's demonstrations and save an HF folder."""
+    """``arbor sft``: warm-start a model on conversations (your ``data.train`` rows, or a built-in task's
+    demonstrations) and save an HF folder."""
     model: str = "tiny"            # a preset name (random init, built-in tokenizer) or an HF folder
-    task: str = "arithmetic"
+    task: str = "arithmetic"       # a built-in example's demonstrations, used when data.train is empty
+    data: DataConfig = field(default_factory=DataConfig)   # data.train=PATH: rows with data.messages_key, or prompt + completion
+    tools: list[str] = field(default_factory=list)         # tools rendered into the prompts (as in the RL run that follows)
     out: str = "runs/sft"
-    demos: int = 2000
+    demos: int = 2000              # a built-in task: how many demonstrations
     demo_options: dict = field(default_factory=dict)   # the task's demonstration options, e.g. {mental_rate = 0.6}
     device: str = "cpu"                                # the training device: cpu | cuda | cuda:N
     train: SFTConfig = field(default_factory=SFTConfig)
@@ -119,6 +123,43 @@ class SFTRunConfig:
     def validate(self) -> None:
         if self.demos < 1:
             raise ValueError(f"demos must be ≥ 1, got {self.demos}")
+
+
+def sft_examples(cfg: SFTRunConfig, tok) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+    """The (ids, loss_mask) of every conversation of ``cfg``'s rows (``arbor.data.prompts.conversation``,
+    laid out by ``arbor.rollout.chat.ChatLayout``: assistant tokens only are trained), and notes for the
+    log: rows that cannot be read, or whose prompt exceeds ``data.max_prompt_tokens``, are dropped and
+    counted."""
+    from arbor.data.prompts import conversation
+    from arbor.data.rewards import RewardConfig
+    from arbor.rollout.chat import ChatLayout
+    from arbor.tasks.registry import load_task
+    d = cfg.data
+    task = load_task(task=cfg.task, data=d, reward=RewardConfig(), tools=cfg.tools, env="", seed=cfg.train.seed,
+                     n_train=cfg.demos, n_eval=0, row_options=cfg.demo_options, need_reward=False)
+    layout = ChatLayout(tok, [t.schema for t in task.tools] or None, d.template_kwargs)
+    examples, invalid, long, first = [], 0, 0, None
+    for i, row in enumerate(task.train):
+        try:
+            msgs = conversation(row, d.messages_key, d.prompt_key, d.completion_key, task.system, i)
+            ids, mask = layout.transcript_ids(msgs)
+        except ValueError as e:
+            if "chat template" in str(e):
+                raise
+            invalid, first = invalid + 1, first or str(e)
+            continue
+        prompt = mask.index(1)
+        if d.max_prompt_tokens and prompt > d.max_prompt_tokens:
+            long, first = long + 1, first or f"row {i}: prompt of {prompt} tokens > data.max_prompt_tokens"
+            continue
+        examples.append((ids, mask))
+    notes = list(task.notes)
+    if invalid or long:
+        notes.append(f"dropped {invalid + long} of {len(task.train)} rows ({long} with a prompt longer than "
+                     f"{d.max_prompt_tokens} tokens, {invalid} unreadable; first: {first})")
+    if not examples:
+        raise ValueError(f"{d.train or cfg.task}: no SFT conversations left ({first})")
+    return examples, notes
 
 
 def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
@@ -135,8 +176,6 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     from arbor.models.expert_parallel import shard_experts
     from arbor.models.presets import PRESETS, preset_config
     from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
-    from arbor.rollout.chat import transcript_ids
-    from arbor.tasks.registry import get_task
 
     torch.manual_seed(cfg.train.seed)
     if cfg.model in PRESETS:
@@ -149,9 +188,10 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
         ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
         tok, model = Tokenizer.load(cfg.model), load_model(cfg.model, dtype=torch.float32, ctx=ctx)
     model.to(cfg.device)
-    task = get_task(cfg.task)
-    problems = task.generate(cfg.demos, seed=cfg.train.seed, split="train")
-    examples = [transcript_ids(tok, task.demonstration(p, **cfg.demo_options)) for p in problems]
+    examples, notes = sft_examples(cfg, tok)
+    if ctx.is_main:
+        for line in notes:
+            print(f"[sft] {line}", flush=True)
     stop = None if until is None else (lambda step: until(model, tok, step))
     run_log = RunLog(cfg.out, cfg, cfg.train.steps, cfg.log, enabled=ctx.is_main, name="sft")
     history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg), ctx, run_log)
