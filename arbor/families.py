@@ -100,7 +100,8 @@ def train(cfg) -> list[dict]:
     return train_here(plain_rl_config(cfg), fam.build_trainer)
 
 
-def evaluate(model_dir: str, task: str, n: int, device: str = "cpu") -> float:
-    """``arbor eval``: held-out accuracy of ``model_dir`` on ``task`` (greedy rollouts, ``n`` problems)."""
-    from arbor.train.run import evaluate_folder
-    return evaluate_folder(model_dir, task, n, device, family(model_dir).build_trainer)
+def evaluate(model_dir: str, task: str, n: int, device: str = "cpu", overrides: list[str] = ()) -> dict:
+    """``arbor eval``: held-out metrics of ``model_dir`` on ``n`` rows of ``task`` or of ``data.eval``
+    (``overrides``: RL config keys), with the trainer of its family."""
+    from arbor.train.run import evaluate_metrics
+    return evaluate_metrics(model_dir, task, n, device, family(model_dir).build_trainer, overrides)

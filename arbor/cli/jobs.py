@@ -41,16 +41,21 @@ def add_train(sub) -> None:
 
 
 def add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="held-out accuracy of a model folder on a task (greedy rollouts)")
+    p = sub.add_parser("eval", help="held-out metrics of a model folder: a task's test split, or your data.eval rows "
+                                    "with reward.fns (greedy; eval.samples=k for pass@k)")
     p.add_argument("model")
+    p.add_argument("overrides", nargs="*", help="RL config keys, e.g. data.eval=test.jsonl 'reward.fns=[\"math\"]' "
+                                                "eval.samples=4")
     p.add_argument("--task", default="arithmetic")
     p.add_argument("--n", type=int, default=128)
     p.add_argument("--device", default="cpu")
 
     def run(a):
         from arbor import families
-        acc = families.evaluate(a.model, a.task, a.n, a.device)
-        print(f"{a.task}: held-out accuracy {acc:.1%} on {a.n} problems")
+        metrics = families.evaluate(a.model, a.task, a.n, a.device, a.overrides)
+        what = "data.eval" if any(o.startswith("data.eval=") for o in a.overrides) else a.task
+        shown = "  ".join(f"{k} {v:.1%}" if k != "eval_reward" else f"{k} {v:.3f}" for k, v in metrics.items())
+        print(f"{what}: {shown} on up to {a.n} held-out rows")
 
     p.set_defaults(func=run)
 

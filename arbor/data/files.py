@@ -39,10 +39,13 @@ def load_rows(path: str, what: str = "data.train", split: str = "train") -> list
         fmt = FORMATS.get(p.suffix.lower())
         if fmt is None:
             raise ValueError(f"{what}: unknown format '{p.suffix or p.name}' of {path}; expected {ACCEPTED}")
+        if p.stat().st_size == 0:
+            raise ValueError(f"{what}: {path} is empty (no rows)")
         try:
             ds = datasets.load_dataset(fmt, data_files=str(p.resolve()), split="train")
         except Exception as e:
-            raise ValueError(f"{what}: cannot read {path} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+            why = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"{what}: cannot read {path} as {fmt}: {type(e).__name__}: {why}") from e
     rows = ds.to_list()
     if not rows:
         raise ValueError(f"{what}: {path} has no rows")

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -69,6 +70,12 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(source: str) -> bool:
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
 
 def compile_template(source: str):
@@ -176,7 +183,7 @@ class Tokenizer:
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template reads a ``tools`` variable (renders tool schemas)."""
-        return "tools" in jinja2.meta.find_undeclared_variables(self._template.environment.parse(self.chat_template))
+        return _reads_tools(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = True, tools: list[dict] | None = None, **template_kwargs) -> list[int] | str:

@@ -86,7 +86,11 @@ class Collector:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.sampling = sampling_factory
         self.template_kwargs = dict(template_kwargs or {})
-        self.parser = parser_for_template(tokenizer.chat_template) if tokenizer.supports_tools else None
+        self.parser, self.parser_error = None, None
+        try:                          # only an environment that offers tools needs it (``start``)
+            self.parser = parser_for_template(tokenizer.chat_template) if tokenizer.supports_tools else None
+        except ValueError as e:
+            self.parser_error = str(e)
         self.version = 0
 
     async def start(self, env, row, group: int, task, iteration: int) -> list[Episode]:
@@ -94,8 +98,8 @@ class Collector:
         messages = await maybe_await(env.reset(row))
         tools = getattr(env, "tools", None)
         if tools and self.parser is None:
-            raise ValueError("the environment offers tools but the model's chat template does not render them "
-                             "(no `tools` variable, or no known tool-call format); use a model whose template does")
+            raise ValueError(self.parser_error or "the environment offers tools but the model's chat template does "
+                             "not render them (it never reads a `tools` variable); use a model whose template does")
         ids = self.layout(env).prompt_ids(messages)
         tree = RolloutTree(Node(Segment(ids, is_model=False)), group, task)
         return self._fork(Episode(tree, env, tree.root, ids, messages, 0, (), iteration))

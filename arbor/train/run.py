@@ -9,6 +9,7 @@ otherwise it holds a copy that ``update_weights`` refreshes after every optimize
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import torch
@@ -108,9 +109,25 @@ def train(cfg, build=build_trainer) -> list[dict]:
     return history
 
 
-def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu", build=build_trainer) -> float:
-    """Held-out accuracy of ``model_dir`` on ``task``: ``n`` greedy rollouts by the trainer ``build`` makes."""
+def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu", build=build_trainer,
+                    overrides: list[str] = ()) -> float:
+    """Held-out accuracy of ``model_dir`` (the mean reward where rewards are not 0/1): ``n`` greedy rollouts."""
+    metrics = evaluate_metrics(model_dir, task, n, device, build, overrides)
+    return metrics.get("test_accuracy", metrics.get("eval_reward", 0.0))
+
+
+def evaluate_metrics(model_dir: str, task: str, n: int, device: str = "cpu", build=build_trainer,
+                     overrides: list[str] = ()) -> dict:
+    """``arbor eval``: the held-out metrics (``arbor.train.rl_eval``) of ``model_dir`` on the first ``n``
+    rows of ``data.eval`` (or ``task``'s test split), with the RL config's ``overrides`` (``data.eval=…``,
+    ``reward.fns=[…]``, ``tools=[…]``, ``eval.samples=k``)."""
+    from arbor import configs
     from arbor.train.config import RLConfig
-    cfg = RLConfig(model=model_dir, task=task, device=device, eval_problems=n)
+    cfg = configs.load(RLConfig, None, [f"model={json.dumps(str(model_dir))}", f"task={json.dumps(task)}",
+                                        f"device={json.dumps(device)}", f"eval_problems={n}", *overrides])
     trainer = build(cfg)
-    return asyncio.run(trainer.evaluate(n, progress=True))
+    if not hasattr(trainer, "evaluate_rows"):             # a block-diffusion trainer: accuracy only
+        return {"test_accuracy": asyncio.run(trainer.evaluate(n, progress=True))}
+    e = cfg.eval
+    metrics, _ = asyncio.run(trainer.evaluate_rows(n, samples=e.samples, temperature=e.temperature, progress=True))
+    return metrics
