@@ -67,8 +67,8 @@ def test_config_keys_are_validated():
 
 
 def test_eval_and_task_errors(dllm_dir, tmp_path):
-    acc = evaluate_folder(str(dllm_dir), "sudoku", 4)
-    assert 0 <= acc <= 1
+    metrics = evaluate_folder(str(dllm_dir), "sudoku", 4)
+    assert list(metrics) == ["test_accuracy"] and 0 <= metrics["test_accuracy"] <= 1
     from arbor.data.config import DataConfig
     from arbor.data.rewards import RewardConfig
     from arbor.tasks.registry import DIFFUSION_TASKS, load_task

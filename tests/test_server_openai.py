@@ -62,8 +62,8 @@ def test_text_content_parts_equal_a_string(client):
     ("/v1/completions", {"logit_bias": {"5": 10}}), ("/v1/completions", {"echo": True}),
     ("/v1/completions", {"best_of": 3}), ("/v1/completions", {"suffix": "end"}),
     ("/v1/completions", {"presence_penalty": 0.5}), ("/v1/completions", {"frequency_penalty": 1}),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-    ("/v1/chat/completions", {"tool_choice": "required"}),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}), ("/v1/chat/completions", {"function_call": "auto"}),
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
     ("/v1/chat/completions", {"some_new_knob": 1}),
 ])

@@ -73,7 +73,8 @@ def _strftime_now(fmt):
 
 
 @functools.lru_cache(maxsize=16)
-def _reads_tools(source: str) -> bool:
+def reads_tools(source: str) -> bool:
+    """Whether the Jinja template ``source`` reads a ``tools`` variable (renders tool schemas)."""
     env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
     return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
@@ -183,7 +184,7 @@ class Tokenizer:
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template reads a ``tools`` variable (renders tool schemas)."""
-        return _reads_tools(self.chat_template)
+        return reads_tools(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = True, tools: list[dict] | None = None, **template_kwargs) -> list[int] | str:

@@ -26,14 +26,13 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 
-import jinja2.meta
-
-from arbor.models.tokenizer import compile_template
+from arbor.models.tokenizer import reads_tools
 
 
 def new_call_id() -> str:
@@ -220,14 +219,15 @@ KNOWN_FORMATS = ("hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool
 
 def template_reads_tools(template: str) -> bool:
     """Whether the Jinja ``template`` reads a ``tools`` variable (renders tool schemas)."""
-    env = compile_template(template).environment
-    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+    return reads_tools(template)
 
 
+@functools.lru_cache(maxsize=16)
 def parser_for_template(template: str | None) -> ToolCallParser | None:
     """The parser for the calls ``template`` renders: ``<tool_call>`` in it → hermes (compact when it
     writes ``<tool_call>{``); ``<|python_tag|>`` or ``"parameters":`` (Llama 3.x) → llama3_json; None when
-    the template does not read ``tools``. ValueError for a template that reads ``tools`` in no known format."""
+    the template does not read ``tools``. ValueError for a template that reads ``tools`` in no known format.
+    Cached per template (parsers hold no state)."""
     if not template or not template_reads_tools(template):
         return None
     if HermesParser.OPEN in template:

@@ -6,21 +6,26 @@ status and ``{"error": {"message", "type", "param", "code"}}``.
 A request field is either implemented (``FIELDS``), accepted without effect (``IGNORED``), accepted
 only at its no-op value (``NO_OP``: ``echo: false``, ``logit_bias: {}``, ``best_of`` = n, …), or
 refused with a 400 naming it, so that a client never silently gets something else than it asked for.
+
+Tool calling's request checks and response reading are ``arbor.serve.tool_calling``'s.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.sequence import Completion
+from arbor.models.tool_calls import new_call_id
 
 KNOBS = {"n": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int,
          "max_tokens": int, "ignore_eos": bool, "stop_token_ids": list}
 _COMMON = {"model", "stop", "logprobs", "stream", "stream_options", *KNOBS}
 FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
+TOOL_FIELDS = {"tools", "tool_choice"}       # chat fields of a backend that takes tools (``check_fields(tools=True)``)
 IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 NO_OP = {"echo": lambda v, b: v is False, "best_of": lambda v, b: v == (b.get("n") or 1),
          "presence_penalty": lambda v, b: v == 0, "frequency_penalty": lambda v, b: v == 0,
@@ -42,10 +47,11 @@ class RequestError(ValueError):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def check_fields(body: dict, chat: bool) -> None:
-    """400 for a field this server does not implement (at a value that would change the result)."""
+def check_fields(body: dict, chat: bool, tools: bool = False) -> None:
+    """400 for a field this server does not implement (at a value that would change the result);
+    ``tools``: the backend takes ``tools``/``tool_choice`` in chat (else they are no-op-only)."""
     for name, value in body.items():
-        if value is None or name in FIELDS[chat] or name in IGNORED:
+        if value is None or name in FIELDS[chat] or name in IGNORED or (tools and chat and name in TOOL_FIELDS):
             continue
         no_op = NO_OP.get(name)
         if no_op is not None:
@@ -127,13 +133,60 @@ def _is_ids(p) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
-def chat_messages(body: dict) -> list[dict]:
-    """→ [{role, content}] with ``content`` a string: a list of text parts is joined with newlines."""
+def chat_messages(body: dict, tools: bool = False) -> list[dict]:
+    """→ [{role, content}] with ``content`` a string (a list of text parts is joined with newlines). With
+    ``tools`` (the backend takes them), a ``tool`` message keeps its ``tool_call_id`` and an assistant
+    message with ``tool_calls`` keeps them as ``{"id", "type": "function", "function": {"name", "arguments":
+    dict}}`` and may have ``content`` None; without, ``tool_calls`` are refused (never dropped)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                          for m in msgs):
         raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
-    return [{"role": m["role"], "content": _content(m.get("content"))} for m in msgs]
+    return [_message(m, i, tools) for i, m in enumerate(msgs)]
+
+
+def _message(m: dict, i: int, tools: bool) -> dict:
+    calls = m.get("tool_calls")
+    if calls is not None and not tools:
+        raise RequestError(f"messages[{i}]: 'tool_calls' are not supported by this server's backend", "messages",
+                           "unsupported_parameter")
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise RequestError(f"messages[{i}]: 'tool_calls' must be a list, on an assistant message", "messages")
+        content = None if m.get("content") is None else _content(m["content"])
+        return {"role": "assistant", "content": content, "tool_calls": [_tool_call(c, i) for c in calls]}
+    out = {"role": m["role"], "content": _content(m.get("content"))}
+    if tools and m["role"] == "tool" and m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise RequestError(f"messages[{i}]: 'tool_call_id' must be a string", "messages")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _tool_call(c, i: int) -> dict:
+    shape = ('{"id": "call_...", "type": "function", "function": {"name": "...", "arguments": "<JSON object '
+             'as a string>"}}')
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or c.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
+            or not isinstance(c.get("id", ""), str):
+        raise RequestError(f"messages[{i}]: each tool call must be {shape}", "messages")
+    args = f.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"messages[{i}]: the arguments of the call of {f['name']!r} are not JSON ({e}); "
+                               f"expected {shape}", "messages") from None
+    if not isinstance(args, dict):
+        raise RequestError(f"messages[{i}]: the arguments of the call of {f['name']!r} must be a JSON object, "
+                           f"got {type(args).__name__}", "messages")
+    return {"id": c.get("id") or new_call_id(), "type": "function", "function": {"name": f["name"], "arguments": args}}
+
+
+def message_chars(m: dict) -> int:
+    """A parsed message's size in characters (role, content and tool calls), for the context check."""
+    calls = m.get("tool_calls")
+    return len(m["role"]) + len(m.get("content") or "") + (len(json.dumps(calls)) if calls else 0)
 
 
 def _content(content) -> str:
@@ -171,11 +224,15 @@ def _finite(v: float) -> float:
     return v if math.isfinite(v) else LOGPROB_FLOOR
 
 
-def choice(c: Completion, index: int, chat: bool, tokenizer, want_logprobs: bool) -> dict:
+def choice(c: Completion, index: int, chat: bool, tokenizer, want_logprobs: bool, plan=None) -> dict:
+    """One choice; a chat choice's message is ``plan.message(text)`` when a ``ToolPlan`` is given
+    (``arbor.serve.tool_calling``: tool calls read out of the text)."""
     out = {"index": index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
            "logprobs": _logprobs(c, 0, tokenizer, chat) if want_logprobs else None}
     if chat:
-        out["message"] = {"role": "assistant", "content": c.text or ""}
+        message, reason = plan.message(c.text or "") if plan is not None else \
+            ({"role": "assistant", "content": c.text or ""}, None)
+        out["message"], out["finish_reason"] = message, reason or c.finish_reason
     else:
         out["text"] = c.text or ""
     return out
@@ -193,9 +250,12 @@ def usage_chunk(rid: str, model: str, chat: bool, usage: dict) -> dict:
 
 
 def chunk(rid: str, model: str, chat: bool, index: int, text: str, new_ids: list[int], finish: str | None,
-          logprobs=None, role: bool = False) -> dict:
+          logprobs=None, role: bool = False, delta: dict | None = None) -> dict:
+    """One stream chunk; a chat chunk's ``delta`` is ``{"content": text}`` unless given."""
     if chat:
-        delta = {"role": "assistant", "content": text} if role else ({"content": text} if text or not finish else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text or not finish
+                                                                         else {})
         c = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
         c = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}

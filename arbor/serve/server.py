@@ -23,6 +23,9 @@ Invariants:
   with the GIL released or passed around, and a text that cannot fit the context is refused before
   it is tokenized.
 - Once shutdown has begun (``app.state.draining``) new requests get 503.
+Chat requests may carry ``tools`` and ``tool_choice`` (``tool_calling.ToolPlan``: the template
+renders the tools, a forced call's beginning ends the prompt, calls are read back with the template's
+parser); a streamed choice sends content until a call begins and its ``tool_calls`` in one last delta.
 Choices also carry Arbor's ``token_ids``. Streamed text withholds the last ``max(len(stop)) − 1``
 characters until the sample ends, so a stop string is never sent.
 """
@@ -30,6 +33,7 @@ characters until the sample ends, so a stop string is never sent.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import AsyncIterator, Protocol, runtime_checkable
 
@@ -40,6 +44,7 @@ from arbor.engine.client import EngineClient
 from arbor.engine.sampling_params import SamplingParams
 from arbor.engine.sequence import Completion
 from arbor.serve import openai_protocol as oai
+from arbor.serve import tool_calling
 from arbor.serve.app import (OFF_LOOP_CHARS, Backend, ReadBody, draining_error, generation_routes, make_app,
                              sse_line)
 from arbor.serve.config import ServerConfig
@@ -110,29 +115,31 @@ def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model
                 raise RequestError(where + str(e), what if param == "prompt" else param) from None
         return out
 
-    def render_chat(messages, params) -> list[list[int]]:
+    def render_chat(messages, params, plan: tool_calling.ToolPlan, chars: int) -> list[list[int]]:
         limit = engine.max_prompt_chars
-        chars = sum(len(m["content"]) + len(m["role"]) for m in messages)
         if limit is not None and chars > limit:
             raise RequestError(f"the messages hold {chars} characters, more than the {engine.max_model_len}-"
                                f"token context can hold (at most {limit})", "messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=plan.tools)
         except Exception as e:      # the template refused these messages (roles, order, …)
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from None
-        return check_all([text], params, "messages")
+        return check_all([text + plan.forced], params, "messages")
 
     async def prepare(body: dict, chat: bool):
-        """→ (SamplingParams, prompts' token ids, stream, include_usage, want log-probs)."""
-        oai.check_fields(body, chat)
+        """→ (SamplingParams, prompts' token ids, stream, include_usage, want log-probs, ToolPlan or None)."""
+        oai.check_fields(body, chat, tools=True)
         stream, include_usage = oai.stream_flags(body)
         params = oai.sampling_params(body, chat)
+        plan = None
         if chat:
             if tok is None:
                 raise RequestError("chat needs a tokenizer; this model folder has none", "messages")
-            messages = oai.chat_messages(body)
+            messages = oai.chat_messages(body, tools=True)
+            plan = tool_calling.tool_plan(body, tok)
             cfg.check_size(params, 1, engine.max_model_len)
-            size, work = sum(len(m["content"]) for m in messages), lambda: render_chat(messages, params)
+            size = sum(oai.message_chars(m) for m in messages) + len(json.dumps(plan.tools) if plan.tools else "")
+            work = lambda: render_chat(messages, params, plan, size)
         else:
             prompts = oai.completion_prompts(body)
             cfg.check_size(params, len(prompts), engine.max_model_len)
@@ -141,32 +148,32 @@ def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model
             raise RequestError("stop strings need a tokenizer; this model folder has none", "stop")
         ids = await asyncio.to_thread(work) if size >= OFF_LOOP_CHARS else work()
         want_lp = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        return params, ids, stream, include_usage, want_lp
+        return params, ids, stream, include_usage, want_lp, plan
 
     async def handle(request: Request, chat: bool):
         body = await read_body(request)
-        params, prompt_ids, stream, include_usage, want_lp = await prepare(body, chat)
+        params, prompt_ids, stream, include_usage, want_lp, plan = await prepare(body, chat)
         if app.state.draining:
             raise draining_error()
         rids = [engine.add_request(ids, params) for ids in prompt_ids]
         abort = lambda: [engine.abort(r) for r in rids]      # a no-op for finished requests
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         if stream:
-            return SSEResponse(sse(rids, rid, chat, params, want_lp, include_usage), on_close=abort)
+            return SSEResponse(sse(rids, rid, chat, params, want_lp, include_usage, plan), on_close=abort)
         try:
-            result = await first_or_disconnect(collect(rids, rid, chat, params, want_lp), request.receive)
+            result = await first_or_disconnect(collect(rids, rid, chat, params, want_lp, plan), request.receive)
         finally:
             abort()
         return Response(status_code=499) if result is None else result
 
-    async def collect(rids, rid, chat, params, want_lp) -> dict:
+    async def collect(rids, rid, chat, params, want_lp, plan) -> dict:
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for i, r in enumerate(rids):
             last = {}
             async for out in engine.stream(r):
                 last[out.index] = out
             for j in sorted(last):
-                choices.append(oai.choice(last[j], i * params.n + j, chat, tok, want_lp))
+                choices.append(oai.choice(last[j], i * params.n + j, chat, tok, want_lp, plan))
                 usage["completion_tokens"] += len(last[j].token_ids)
             usage["prompt_tokens"] += len(last[0].prompt_token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -178,12 +185,12 @@ def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model
         text = tok.decode(out.token_ids) if tok is not None else ""
         return text[:max(0, len(text) - hold)]
 
-    async def sse(rids, rid, chat, params, want_lp, include_usage):
+    async def sse(rids, rid, chat, params, want_lp, include_usage, plan):
         hold = max((len(s) for s in params.stop), default=1) - 1
         line = (lambda obj: sse_line({**obj, "usage": None})) if include_usage else sse_line
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for i, r in enumerate(rids):
-            sent_ids, sent_text, counted = {}, {}, False
+            sent_ids, sent_text, counted, tools = {}, {}, False, {}
             if chat:
                 for j in range(params.n):
                     yield line(oai.chunk(rid, model_name, chat, i * params.n + j, "", [], None, role=True))
@@ -193,7 +200,17 @@ def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model
                 text = visible_text(out, hold)
                 delta = text[len(sent_text.get(j, "")):]
                 lp = oai._logprobs(out, start, tok, chat) if want_lp else None
-                yield line(oai.chunk(rid, model_name, chat, index, delta, out.token_ids[start:], out.finish_reason, lp))
+                new_ids = out.token_ids[start:]
+                if plan is not None and plan.parser is not None:     # content until a call begins; calls at the end
+                    ts = tools.setdefault(j, tool_calling.ToolStream(plan))
+                    deltas, finish = ts.last(text, out.finish_reason) if out.finished else ([None], None)
+                    for k, d in enumerate(deltas):
+                        end = k == len(deltas) - 1
+                        yield line(oai.chunk(rid, model_name, chat, index, "" if d else ts.step(text),
+                                             new_ids if end else [], finish if end else None, lp if end else None,
+                                             delta=d))
+                else:
+                    yield line(oai.chunk(rid, model_name, chat, index, delta, new_ids, out.finish_reason, lp))
                 sent_ids[j], sent_text[j] = len(out.token_ids), text
                 if out.finished:
                     usage["completion_tokens"] += len(out.token_ids)

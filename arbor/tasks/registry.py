@@ -107,7 +107,8 @@ def load_task(*, task: str, data, reward, tools: list[str], env: str, seed: int,
         if need_reward and rewards is None:
             raise ValueError("no reward: set reward.fns (a built-in such as [\"math\"], [\"exact\"], or your "
                              "[\"my_rewards.py:correct\"]) or env=my_env.py:MyEnv (an environment that scores)")
-        require_column(train, data.prompt_key, "data.prompt_key", data.train or task)
+        if need_reward:     # an SFT job's rows may be whole conversations instead (data.messages_key)
+            require_column(train, data.prompt_key, "data.prompt_key", data.train or task)
         make_env = lambda: ChatEnvironment(rewards, loaded_tools, data.prompt_key, system, max_turns, tool_timeout_s)
     out = Task(name, train, evals, make_env, rewards, loaded_tools, data.prompt_key, system)
     if tokenizer is not None and not env_spec:

@@ -26,7 +26,7 @@ import torch
 from arbor.distributed import DistContext
 
 RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out",
-                     "timeout_s", "log")
+                     "timeout_s", "log", "eval")   # "eval": the eval section and data.eval
 
 
 def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=None) -> None:

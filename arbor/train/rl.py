@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import itertools
 import random
 import time
