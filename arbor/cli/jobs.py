@@ -54,10 +54,11 @@ def add_eval(sub) -> None:
         from arbor import families
         metrics = families.evaluate(a.model, a.task, a.n, a.device, a.overrides)
         what = "data.eval" if any(o.startswith("data.eval=") for o in a.overrides) else a.task
-        shown = "  ".join(f"{k} {v:.1%}" if k != "eval_reward" else f"{k} {v:.3f}" for k, v in metrics.items())
+        shown = "  ".join(f"{k} {v:.1%}" if k == "test_accuracy" or k.startswith("pass@") else f"{k} {v:.3g}"
+                          for k, v in metrics.items())
         print(f"{what}: {shown} on up to {a.n} held-out rows")
 
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, trailing_words="overrides")
 
 
 def add_demo(sub) -> None:

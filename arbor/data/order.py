@@ -21,7 +21,7 @@ def _permutation(n: int, seed: int, epoch: int) -> tuple[int, ...]:
 def row_index(k: int, n: int, seed: int, shuffle: bool = True) -> int:
     """The row of draw ``k`` over ``n`` rows (module docstring)."""
     if n < 1:
-        raise ValueError("no rows to draw from")
+        raise ValueError("no training rows: set data.train=PATH (data.eval rows are only evaluated)")
     return _permutation(n, seed, k // n)[k % n] if shuffle else k % n
 
 

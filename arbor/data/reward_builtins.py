@@ -58,6 +58,9 @@ def builtin(spec: str, length_target: int):
             from math_verify import parse, verify
         except ImportError as e:
             raise ValueError(f"reward 'math' needs the math-verify package (pip install math-verify): {e}") from e
+        import logging
+        for name in ("math_verify.grader", "math_verify.parser"):   # their "timeout is disabled" notice: timeout_s bounds it
+            logging.getLogger(name).setLevel(logging.ERROR)
 
         def math(prompt, completion, **row) -> float:
             gold = parse(reference_answer(row), parsing_timeout=None)

@@ -75,9 +75,9 @@ def load_task(*, task: str, data, reward, tools: list[str], env: str, seed: int,
     from arbor.data.tools import load_tools
     from arbor.rollout.environment import ChatEnvironment
 
-    if data.train:
-        name, system = Path(data.train).stem, data.system
-        train = load_rows(data.train, "data.train")
+    if data.train or data.eval:                  # your files (data.eval alone: an evaluation)
+        name, system = Path(data.train or data.eval).stem, data.system
+        train = load_rows(data.train, "data.train") if data.train else []
         evals = load_rows(data.eval, "data.eval", split="test") if data.eval else []
         tool_specs, reward_cfg, env_spec = list(tools), reward, env
     else:
@@ -108,7 +108,7 @@ def load_task(*, task: str, data, reward, tools: list[str], env: str, seed: int,
             raise ValueError("no reward: set reward.fns (a built-in such as [\"math\"], [\"exact\"], or your "
                              "[\"my_rewards.py:correct\"]) or env=my_env.py:MyEnv (an environment that scores)")
         if need_reward:     # an SFT job's rows may be whole conversations instead (data.messages_key)
-            require_column(train, data.prompt_key, "data.prompt_key", data.train or task)
+            require_column(train or evals, data.prompt_key, "data.prompt_key", data.train or data.eval or task)
         make_env = lambda: ChatEnvironment(rewards, loaded_tools, data.prompt_key, system, max_turns, tool_timeout_s)
     out = Task(name, train, evals, make_env, rewards, loaded_tools, data.prompt_key, system)
     if tokenizer is not None and not env_spec:

@@ -3,8 +3,9 @@
 Metrics (every ``eval_every`` steps, and ``arbor eval``): ``eval_reward`` = the mean episode reward
 over all completions; when every reward is 0 or 1 also ``test_accuracy`` = the fraction correct (pass@1
 estimated from all k samples) and, with k > 1, ``pass@k`` = the fraction of rows with at least one
-correct completion. One sample is decoded greedily; k > 1 sample at ``eval.temperature``. The first
-``eval.table_rows`` rows' completions form the sample table of the run log.
+correct completion. One sample is decoded greedily; k > 1 sample at ``eval.temperature``. The reward
+functions' means over the evaluation are ``eval_reward/<name>`` (kept apart from training's). The
+first ``eval.table_rows`` rows' completions form the sample table of the run log.
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ async def evaluate_rows(trainer, rows: list[dict], samples: int = 1, temperature
         metrics["test_accuracy"] = total / max(1, n)
         if samples > 1:
             metrics[f"pass@{samples}"] = passed / max(1, groups)
+    if trainer.task.rewards is not None:       # this evaluation's per-function means, apart from training's
+        metrics.update({f"eval_{k}": v for k, v in trainer.task.rewards.drain().items()})
     table = []
     key = trainer.task.prompt_key
     for tree in trees[:table_rows]:
         for t in tree.trajectories()[:1]:
             prompt = tree.task.get(key) if isinstance(tree.task, dict) else None
+            if isinstance(prompt, list):       # chat messages: the last one's text
+                prompt = next((m.get("content") for m in reversed(prompt) if isinstance(m, dict)), prompt)
             table.append({"prompt": str(prompt if prompt is not None else trainer.tok.decode(t.tokens[:t.prompt_len])),
                           "completion": trainer.tok.decode(t.tokens[t.prompt_len:]), "reward": t.reward})
     return metrics, table

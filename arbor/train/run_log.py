@@ -3,8 +3,8 @@
 Invariants:
 - ``metrics.jsonl`` holds one JSON object per logged step, in step order, each with ``step`` and
   ``seconds`` (wall time since the previous row, or since the logger opened). Opening a log at
-  ``start_step`` drops every row of a step ≥ ``start_step`` first, so a resumed run never leaves a
-  step twice and a fresh run (start 0) starts a fresh file.
+  ``start_step`` drops every row of a step ≥ ``start_step`` first (of ``samples.jsonl`` too), so a
+  resumed run never leaves a step twice and a fresh run (start 0) starts fresh files.
 - ``OUT/run_config.json`` is the run's config, written when the log opens (the same on a resume; not
   ``config.json``, which an HF model folder written to OUT holds).
 - TensorBoard (``OUT/tb``) gets every numeric value when ``torch.utils.tensorboard`` imports;
@@ -57,10 +57,11 @@ class RunLog:
             data = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
             (self.out / "run_config.json").write_text(json.dumps(data, indent=2, default=str))
         self.path = self.out / "metrics.jsonl"
-        keep = []
-        if self.path.exists() and start_step > 0:
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] < start_step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        self.path.touch()
+        for path in (self.path, self.out / "samples.jsonl"):      # a step is never logged twice
+            if path.exists():
+                lines = path.read_text().splitlines() if start_step > 0 else []
+                path.write_text("".join(line + "\n" for line in lines if line and json.loads(line)["step"] < start_step))
         self.file = self.path.open("a")
         if self.log_cfg.tensorboard:
             try:
