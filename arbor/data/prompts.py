@@ -5,7 +5,7 @@ a system message optional); ``system`` (``data.system``) is put first where the 
 system message. A conversation is ``messages_key`` (messages ending with an assistant turn) or
 ``prompt_key`` + ``completion_key`` (the completion text, or assistant messages). Every other column
 stays in the row: rewards and environments receive it. Errors name the row index, the column and
-what is accepted.
+what is accepted. ``keep_rows`` drops (and counts) the rows a job cannot use, never truncating one.
 """
 
 from __future__ import annotations
@@ -61,3 +61,31 @@ def conversation(row: dict, messages_key: str = "messages", prompt_key: str = "p
         raise ValueError(f"row {index}: the conversation must end with an assistant message, "
                          f"it ends with {msgs[-1]['role']!r}")
     return msgs
+
+
+def keep_rows(rows: list[dict], build, max_tokens: int, what: str):
+    """``build(index, row) -> (value, prompt_tokens)`` for every row; a row whose ``build`` raises
+    ValueError (unreadable) or whose prompt is longer than ``max_tokens`` (> 0) is dropped and counted.
+    A chat-template error is the template's, not the row's: it propagates. → (the values kept,
+    {"invalid": n, "too_long": n}, a note for the log or None); no row left is a ValueError."""
+    kept, invalid, long, first = [], 0, 0, None
+    for i, row in enumerate(rows):
+        try:
+            value, n = build(i, row)
+        except ValueError as e:
+            if "chat template" in str(e):
+                raise
+            invalid, first = invalid + 1, first or str(e)
+            continue
+        if max_tokens and n > max_tokens:
+            long, first = long + 1, first or f"row {i}: prompt of {n} tokens > data.max_prompt_tokens={max_tokens}"
+            continue
+        kept.append(value)
+    if not kept:
+        raise ValueError(f"{what}: no rows left after dropping {long} too long (data.max_prompt_tokens="
+                         f"{max_tokens}) and {invalid} unreadable ({first})")
+    note = None
+    if invalid or long:
+        note = (f"{what}: dropped {invalid + long} of {len(rows)} rows ({long} with a prompt longer than "
+                f"{max_tokens} tokens, {invalid} unreadable; first: {first})")
+    return kept, {"invalid": invalid, "too_long": long}, note

@@ -45,7 +45,6 @@ BUILTINS = {
                       check="arbor.tasks.python_tool:check_sandbox"),
     "longtail": Builtin("arbor.tasks.longtail:rows", "", env="arbor.tasks.longtail:LongTailEnvironment"),
 }
-TASKS = BUILTINS
 DIFFUSION_TASKS = {"sudoku": sudoku, "addition": addition, "countdown": countdown}
 
 
@@ -139,31 +138,15 @@ def _env_factory(obj, spec: str):
 
 def _keep(task: Task, rows: list[dict], what: str, tokenizer, data, max_prompt_tokens: int) -> list[dict]:
     """``rows`` whose prompt reads and fits ``max_prompt_tokens``; the rest counted in ``task.dropped``."""
-    from arbor.data.prompts import prompt_messages
+    from arbor.data.prompts import keep_rows, prompt_messages
     from arbor.rollout.chat import ChatLayout
     layout = ChatLayout(tokenizer, [t.schema for t in task.tools] or None, data.template_kwargs)
-    kept, invalid, long, first = [], 0, 0, None
-    for i, row in enumerate(rows):
-        try:
-            n = len(layout.prompt_ids(prompt_messages(row, data.prompt_key, task.system, i)))
-        except ValueError as e:
-            if "chat template" in str(e):
-                raise
-            invalid += 1
-            first = first or str(e)
-            continue
-        if max_prompt_tokens and n > max_prompt_tokens:
-            long += 1
-            first = first or f"row {i}: prompt of {n} tokens > data.max_prompt_tokens={max_prompt_tokens}"
-            continue
-        kept.append(row)
-    if invalid or long:
-        task.dropped[what] = {"invalid": invalid, "too_long": long}
-        task.notes.append(f"{what}: dropped {invalid + long} of {len(rows)} rows ({long} with a prompt longer than "
-                          f"{max_prompt_tokens} tokens, {invalid} unreadable; first: {first})")
-    if not kept:
-        raise ValueError(f"{what}: no rows left after dropping {long} too long (data.max_prompt_tokens="
-                         f"{max_prompt_tokens}) and {invalid} unreadable ({first})")
+    kept, dropped, note = keep_rows(
+        rows, lambda i, row: (row, len(layout.prompt_ids(prompt_messages(row, data.prompt_key, task.system, i)))),
+        max_prompt_tokens, what)
+    if note:
+        task.dropped[what] = dropped
+        task.notes.append(note)
     return kept
 
 

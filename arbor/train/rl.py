@@ -64,8 +64,7 @@ class RLTrainer(PolicyUpdate):
         self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
         self.prefetched = None             # overlap: the next step's (trees, pool, stats), rolled out at θ_t
         self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="arbor-rollout") if self.overlap else None
-        self.task_template_kwargs = cfg.data.template_kwargs
-        self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory, self.task_template_kwargs)
+        self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory, cfg.data.template_kwargs)
         self.sampling_factory = sampling_factory
         set_recompute(model, cfg.recompute)
         self.optimizer = make_optimizer(model, cfg.optim)

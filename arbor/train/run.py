@@ -109,13 +109,6 @@ def train(cfg, build=build_trainer) -> list[dict]:
     return history
 
 
-def evaluate_folder(model_dir: str, task: str, n: int, device: str = "cpu", build=build_trainer,
-                    overrides: list[str] = ()) -> float:
-    """Held-out accuracy of ``model_dir`` (the mean reward where rewards are not 0/1): ``n`` greedy rollouts."""
-    metrics = evaluate_metrics(model_dir, task, n, device, build, overrides)
-    return metrics.get("test_accuracy", metrics.get("eval_reward", 0.0))
-
-
 def evaluate_metrics(model_dir: str, task: str, n: int, device: str = "cpu", build=build_trainer,
                      overrides: list[str] = ()) -> dict:
     """``arbor eval``: the held-out metrics (``arbor.train.rl_eval``) of ``model_dir`` on the first ``n``

@@ -130,7 +130,7 @@ def sft_examples(cfg: SFTRunConfig, tok) -> tuple[list[tuple[list[int], list[int
     laid out by ``arbor.rollout.chat.ChatLayout``: assistant tokens only are trained), and notes for the
     log: rows that cannot be read, or whose prompt exceeds ``data.max_prompt_tokens``, are dropped and
     counted."""
-    from arbor.data.prompts import conversation
+    from arbor.data.prompts import conversation, keep_rows
     from arbor.data.rewards import RewardConfig
     from arbor.rollout.chat import ChatLayout
     from arbor.tasks.registry import load_task
@@ -138,28 +138,14 @@ def sft_examples(cfg: SFTRunConfig, tok) -> tuple[list[tuple[list[int], list[int
     task = load_task(task=cfg.task, data=d, reward=RewardConfig(), tools=cfg.tools, env="", seed=cfg.train.seed,
                      n_train=cfg.demos, n_eval=0, row_options=cfg.demo_options, need_reward=False)
     layout = ChatLayout(tok, [t.schema for t in task.tools] or None, d.template_kwargs)
-    examples, invalid, long, first = [], 0, 0, None
-    for i, row in enumerate(task.train):
-        try:
-            msgs = conversation(row, d.messages_key, d.prompt_key, d.completion_key, task.system, i)
-            ids, mask = layout.transcript_ids(msgs)
-        except ValueError as e:
-            if "chat template" in str(e):
-                raise
-            invalid, first = invalid + 1, first or str(e)
-            continue
-        prompt = mask.index(1)
-        if d.max_prompt_tokens and prompt > d.max_prompt_tokens:
-            long, first = long + 1, first or f"row {i}: prompt of {prompt} tokens > data.max_prompt_tokens"
-            continue
-        examples.append((ids, mask))
-    notes = list(task.notes)
-    if invalid or long:
-        notes.append(f"dropped {invalid + long} of {len(task.train)} rows ({long} with a prompt longer than "
-                     f"{d.max_prompt_tokens} tokens, {invalid} unreadable; first: {first})")
-    if not examples:
-        raise ValueError(f"{d.train or cfg.task}: no SFT conversations left ({first})")
-    return examples, notes
+
+    def example(i, row):
+        ids, mask = layout.transcript_ids(conversation(row, d.messages_key, d.prompt_key, d.completion_key,
+                                                       task.system, i))
+        return (ids, mask), mask.index(1)          # the prompt: the tokens before the first trained one
+
+    examples, _, note = keep_rows(task.train, example, d.max_prompt_tokens, "data.train" if d.train else cfg.task)
+    return examples, task.notes + ([note] if note else [])
 
 
 def run_sft(cfg: SFTRunConfig, on_log=None, until=None):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The built-in countdown task from files: rows written by make_data.py, the calculator tool and the
+# The built-in countdown task from files: rows written by ../write_rows.py, the calculator tool and the
 # reward named by their Python paths (what `arbor train task=countdown` loads by itself).
 #
 #   bash examples/countdown/run.sh [OUT]      # OUT defaults to runs/countdown; SMOKE=1: a few steps only
@@ -15,7 +15,7 @@ fi
 rm -rf "$OUT/sft" "$OUT/rl"             # start fresh: no checkpoint of an earlier run is resumed
 TOOLS='tools=["arbor.tasks.arithmetic:calc"]'
 
-"$PY" "$HERE/make_data.py" "$OUT/data" --train "$N" --test "$TEST"
+"$PY" "$HERE/../write_rows.py" countdown "$OUT/data" --train "$N" --test "$TEST"
 "$PY" -m arbor sft model=tiny data.train="$OUT/data/train.jsonl" "$TOOLS" out="$OUT/sft" \
   train.steps="$SFT_STEPS" train.optim.lr=3e-3 train.checkpoint_every=0
 "$PY" -m arbor train model="$OUT/sft" out="$OUT/rl" data.train="$OUT/data/train.jsonl" data.eval="$OUT/data/test.jsonl" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The built-in longtail task from files: rows written by make_data.py and an environment class named
+# The built-in longtail task from files: rows written by ../write_rows.py and an environment class named
 # by its Python path (env=…: it builds each prompt from the row and scores the turn itself, so no
 # reward.fns or tools). Its output lengths are long-tailed: the workload C3PO++ is for.
 #
@@ -15,7 +15,7 @@ else
 fi
 rm -rf "$OUT/sft" "$OUT/rl"             # start fresh: no checkpoint of an earlier run is resumed
 
-"$PY" "$HERE/make_data.py" "$OUT/data" --train "$N" --test "$TEST"
+"$PY" "$HERE/../write_rows.py" longtail "$OUT/data" --train "$N" --test "$TEST"
 "$PY" -m arbor sft model=tiny data.train="$OUT/data/train.jsonl" out="$OUT/sft" \
   train.steps="$SFT_STEPS" train.checkpoint_every=0
 "$PY" -m arbor train model="$OUT/sft" out="$OUT/rl" data.train="$OUT/data/train.jsonl" data.eval="$OUT/data/test.jsonl" \

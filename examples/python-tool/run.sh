@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The built-in python task from files: rows written by make_data.py, the sandboxed `python` tool and
+# The built-in python task from files: rows written by ../write_rows.py, the sandboxed `python` tool and
 # the reward named by their Python paths (what `arbor train task=python` loads by itself). The tool
 # runs each program in arbor.rollout.sandbox; where that sandbox can only isolate weakly, the check
 # below stops (ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1 accepts it: see docs/rl.md).
@@ -18,7 +18,7 @@ rm -rf "$OUT/sft" "$OUT/rl"             # start fresh: no checkpoint of an earli
 TOOLS='tools=["arbor.tasks.python_tool:python"]'
 "$PY" -c "from arbor.tasks.python_tool import check_sandbox; check_sandbox()"
 
-"$PY" "$HERE/make_data.py" "$OUT/data" --train "$N" --test "$TEST"
+"$PY" "$HERE/../write_rows.py" python "$OUT/data" --train "$N" --test "$TEST"
 "$PY" -m arbor sft model=tiny data.train="$OUT/data/train.jsonl" "$TOOLS" out="$OUT/sft" \
   train.steps="$SFT_STEPS" train.optim.lr=3e-3 train.checkpoint_every=0
 "$PY" -m arbor train model="$OUT/sft" out="$OUT/rl" data.train="$OUT/data/train.jsonl" data.eval="$OUT/data/test.jsonl" \
