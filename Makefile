@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-unit test-isa demo docs venv clean
+.PHONY: test test-unit test-isa demo docs venv sandbox-tool clean
 
 $(BIN)/arbor: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -11,7 +11,15 @@ $(BIN)/arbor: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,ray]"
 	touch $(BIN)/arbor
 
-venv: $(BIN)/arbor
+venv: $(BIN)/arbor sandbox-tool
+
+# The tool sandbox builds its filesystem view with bubblewrap; as root with apt it is installed here,
+# elsewhere the sandbox falls back to unshare (same view, slower start: docs/rl.md).
+sandbox-tool:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
+	  echo "note: bubblewrap (bwrap) is not installed; the tool sandbox uses unshare instead"
 
 test: venv
 	$(BIN)/python -m pytest || [ $$? -eq 5 ]  # 5: no tests collected

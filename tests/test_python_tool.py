@@ -83,6 +83,6 @@ def test_the_environment_refuses_weak_isolation_up_front(monkeypatch):
     monkeypatch.delenv("ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION", raising=False)
     problem = generate_problems(1, seed=0)[0]
     with pytest.raises(SandboxUnavailable, match="allow_weak_isolation"):
-        check_sandbox(SandboxConfig(os_isolation=False))
-    check_sandbox(SandboxConfig(os_isolation=False, allow_weak_isolation=True))
+        check_sandbox(SandboxConfig(isolation="none"))
+    check_sandbox(SandboxConfig(isolation="none", allow_weak_isolation=True))
     assert problem

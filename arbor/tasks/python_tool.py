@@ -153,14 +153,16 @@ def is_correct(problem: PythonProblem, final_text: str) -> bool:
     return a == b if a is not None and b is not None else got == problem.answer.strip()
 
 
-async def run_tool(code: str, config: SandboxConfig = SandboxConfig()) -> str:
-    """The sandbox's observation text for `code` (stdout, or "error: ..." / "timeout after Xs")."""
+async def run_tool(code: str, config: SandboxConfig | None = None) -> str:
+    """The sandbox's observation text for `code` (stdout, or "error: ..." / "timeout after Xs"); ``config``:
+    the job's ``sandbox`` section (`arbor.rollout.sandbox.default_config`)."""
     return (await run_python_async(code, config)).as_observation()
 
 
-def check_sandbox(config: SandboxConfig = SandboxConfig()) -> None:
+def check_sandbox(config: SandboxConfig | None = None) -> None:
     """Raise ``SandboxUnavailable`` at once (when the task loads, not at the first tool call) if the
-    sandbox would isolate weakly and ``config`` (or ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1) does not allow it."""
+    sandbox would isolate weakly and ``config`` (or ARBOR_SANDBOX_ALLOW_WEAK_ISOLATION=1) does not allow it,
+    or ValueError if its declared packages do not import or its files are missing."""
     check_isolation(config)
 
 

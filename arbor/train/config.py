@@ -23,6 +23,7 @@ from arbor.data.rewards import RewardConfig
 from arbor.distributed import DistConfig
 from arbor.engine.config import EngineConfig
 from arbor.rollout.collector import RolloutConfig
+from arbor.rollout.sandbox import SandboxConfig
 from arbor.train.losses import LossConfig
 from arbor.train.optim import OptimConfig
 from arbor.train.routepack_hook import PlanConfig
@@ -95,6 +96,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward.fns=["math", "my_rewards.py:fn"], reward.weights, …
     tools: list[str] = field(default_factory=list)   # tool functions offered to the model: ["my_tools.py:search", …]
     env: str = ""                # an environment instead of rows + rewards + tools: "my_env.py:MyEnv"
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # where tool code runs: sandbox.packages, sandbox.files, sandbox.timeout_s, …
     seed: int = 0
     steps: int = 20
     groups_per_step: int = 8

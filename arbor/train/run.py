@@ -42,8 +42,11 @@ def make_engine(model, tokenizer, engine_cfg, ctx=None):
 
 def rl_task(cfg, tokenizer):
     """The ``Task`` of an RL config (``arbor.tasks.registry.load_task``): its rows, environment,
-    rewards and tools; its notes (reward forms, dropped rows) are printed once."""
+    rewards and tools; its notes (reward forms, dropped rows) are printed once. The ``sandbox`` section
+    becomes the one tool code runs in (the ``python`` tool's, and any ``run_python`` given no config)."""
+    from arbor.rollout.sandbox import configure
     from arbor.tasks.registry import load_task
+    configure(cfg.sandbox)
     from arbor.train.config import max_prompt_tokens
     task = load_task(task=cfg.task, data=cfg.data, reward=cfg.reward, tools=cfg.tools, env=cfg.env, seed=cfg.seed,
                      n_train=max(4096, cfg.steps * cfg.c3po.capacity * 2), n_eval=cfg.eval_problems,
