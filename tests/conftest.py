@@ -82,7 +82,7 @@ def one_thread():
 MARKS = {
     "multiprocess": [   # child processes: ranks, `arbor` CLI runs, servers started as programs
         "test_dist.py", "test_pd_multiplex.py", "test_serve_ranks.py", "test_routepack_migration.py",
-        "test_cli_determinism.py", "test_server_shutdown.py", "test_allocator.py", "test_sandbox.py",
+        "test_cli_determinism.py", "test_server_shutdown.py", "test_allocator.py", "test_sandbox.py", "test_sandbox_view.py",
         "test_python_tool.py::test_demonstrations_run_in_the_sandbox_and_print_the_answer",
         "test_plan.py::test_plan_package_imports_no_torch", "test_engine_cli.py::test_python_dash_m_arbor_is_the_arbor_command",
         "test_rl_objectives.py::test_invalid_overrides_exit_2_with_the_key_named_before_anything_runs",
