@@ -144,6 +144,9 @@ def test_bad_sandbox_settings_are_refused_naming_the_key(handed):
         SandboxConfig(isolation="bubblewrap").validate()
     with pytest.raises(ValueError, match="'no-such-package' is not installed"):
         check_isolation(SandboxConfig(packages=["no-such-package"]))
+    if os.geteuid() == 0:       # the fresh uid cannot read a root-only folder: said at the check, not mid-run
+        with tempfile.TemporaryDirectory() as private, pytest.raises(ValueError, match="readable by other users"):
+            check_isolation(SandboxConfig(files={"/data": private}))
 
 
 def test_the_job_config_sets_the_python_tools_sandbox(handed):
@@ -160,3 +163,16 @@ def test_the_job_config_sets_the_python_tools_sandbox(handed):
         sandbox.configure(before)
     with pytest.raises(ValueError, match="sandbox.isolation must be one of"):
         load(RLConfig, overrides=["sandbox.isolation=bwarp"])
+
+
+@pytest.mark.skipif("unshare" not in ISOLATED, reason="needs unprivileged user namespaces")
+def test_auto_falls_back_to_unshare_without_bwrap(monkeypatch, tmp_path):
+    """A machine with unshare but no bwrap (PATH holding only unshare): auto builds the view with unshare."""
+    os.symlink(shutil.which("unshare"), tmp_path / "unshare")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sandbox._launch.cache_clear()
+    try:
+        assert network_isolation("auto") == "unshare"
+        assert probe(str(CHECKOUT), "stat", SandboxConfig()) == "FileNotFoundError"
+    finally:
+        sandbox._launch.cache_clear()

@@ -288,8 +288,10 @@ def _check_view(launch: _Launch, packages: tuple[str, ...], files: tuple[tuple[s
     config = SandboxConfig(timeout_s=30.0, memory_mb=4096, packages=list(packages), files=dict(files))
     out, err = _trial(launch, fresh_uid(), code, config)
     if out is None:
+        hint = (" (Arbor runs as root, so the sandbox runs as a fresh uid: what it is given must be readable by "
+                "other users, not under a root-only folder)") if os.geteuid() == 0 else ""
         raise ValueError(f"sandbox.packages / sandbox.files: a sandboxed program could not import {imports} or see "
-                         f"{[d for d, _ in files]}: {err}")
+                         f"{[d for d, _ in files]}{hint}: {err}")
 
 
 @functools.lru_cache(maxsize=None)
