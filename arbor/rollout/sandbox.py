@@ -276,7 +276,8 @@ def check_isolation(config: SandboxConfig | None = None) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _check_view(launch: _Launch, packages: tuple[str, ...], files: tuple[tuple[str, str], ...]) -> None:
-    """One run that imports the declared packages (those importable by name here) and lists the given files."""
+    """One run that imports the declared packages (those importable by name here) and reads the given files
+    (lists a folder, opens a file)."""
     if packages and launch.python.version != tuple(sys.version_info[:2]):
         raise ValueError(
             f"sandbox.packages: the sandbox runs Python {'.'.join(map(str, launch.python.version))} "
@@ -284,7 +285,8 @@ def _check_view(launch: _Launch, packages: tuple[str, ...], files: tuple[tuple[s
             f"cannot be this Python {sys.version_info[0]}.{sys.version_info[1]}'s; put Python where other users can "
             "read it (not under a root-only home) or run as a non-root user")
     imports = [p for p in packages if importlib.util.find_spec(p) is not None]
-    code = "".join(f"import {p}\n" for p in imports) + "".join(f"import os\nos.stat({d!r})\n" for d, _ in files)
+    code = "".join(f"import {p}\n" for p in imports) + "".join(
+        f"import os\nos.listdir({d!r}) if os.path.isdir({d!r}) else open({d!r}, 'rb').close()\n" for d, _ in files)
     config = SandboxConfig(timeout_s=30.0, memory_mb=4096, packages=list(packages), files=dict(files))
     out, err = _trial(launch, fresh_uid(), code, config)
     if out is None:
