@@ -38,11 +38,4 @@ rm -rf "$OUT/sft" "$OUT/rl"             # start fresh: no checkpoint of an earli
   rollout.temperature=0.7 'rollout.branch=[4,2]' optim.lr=3e-4 optim.warmup_steps=5 'optim.betas=[0.9,0.999]' \
   c3po.token_budget="$BUDGET" c3po.capacity=24
 
-"$PY" - "$OUT" <<'EOF'
-import json, re, sys
-out = sys.argv[1]
-before = re.search(r"test_accuracy ([0-9.]+)%", open(f"{out}/sft_eval.txt").read())
-after = [f"{row['test_accuracy']:.1%} (RL step {row['step'] + 1})" for row in map(json.loads, open(f"{out}/rl/metrics.jsonl"))
-         if "test_accuracy" in row]
-print(f"held-out accuracy: {before.group(1) if before else '?'}% after SFT → " + " → ".join(after))
-EOF
+"$PY" "$HERE/../held_out.py" "$OUT"

@@ -12,7 +12,7 @@ PY=${PYTHON:-python}
 if [ -n "${SMOKE:-}" ]; then
   N=32 TEST=4 SFT_STEPS=3 RL_STEPS=1 EVAL_EVERY=1 BUDGET=300
 else
-  N=2000 TEST=100 SFT_STEPS=1000 RL_STEPS=20 EVAL_EVERY=10 BUDGET=3000
+  N=4000 TEST=200 SFT_STEPS=1500 RL_STEPS=30 EVAL_EVERY=10 BUDGET=3000
 fi
 rm -rf "$OUT/sft" "$OUT/rl"             # start fresh: no checkpoint of an earlier run is resumed
 TOOLS='tools=["arbor.tasks.python_tool:python"]'
@@ -20,7 +20,14 @@ TOOLS='tools=["arbor.tasks.python_tool:python"]'
 
 "$PY" "$HERE/../write_rows.py" python "$OUT/data" --train "$N" --test "$TEST"
 "$PY" -m arbor sft model=tiny data.train="$OUT/data/train.jsonl" "$TOOLS" out="$OUT/sft" \
-  train.steps="$SFT_STEPS" train.optim.lr=3e-3 train.checkpoint_every=0
-"$PY" -m arbor train model="$OUT/sft" out="$OUT/rl" data.train="$OUT/data/train.jsonl" data.eval="$OUT/data/test.jsonl" \
-  "$TOOLS" 'reward.fns=["arbor.tasks.python_tool:reward"]' steps="$RL_STEPS" eval_every="$EVAL_EVERY" \
-  eval_problems="$TEST" rollout.max_turn_tokens=256 rollout.max_context=1536 c3po.token_budget="$BUDGET" checkpoint_every=0
+  train.steps="$SFT_STEPS" train.checkpoint_every=0
+REWARD='reward.fns=["arbor.tasks.python_tool:reward"]'
+ROWS=(data.train="$OUT/data/train.jsonl" data.eval="$OUT/data/test.jsonl" "$TOOLS" "$REWARD")
+"$PY" -m arbor eval "$OUT/sft" "${ROWS[@]}" rollout.max_turn_tokens=256 rollout.max_context=1536 --n "$TEST" \
+  | tee "$OUT/sft_eval.txt"
+# RL from a strong SFT start takes small steps: at the default optim.lr=2e-4 held-out accuracy fell (81.5 % → 56 %).
+"$PY" -m arbor train model="$OUT/sft" out="$OUT/rl" "${ROWS[@]}" steps="$RL_STEPS" eval_every="$EVAL_EVERY" \
+  eval_problems="$TEST" optim.lr=3e-5 rollout.max_turn_tokens=256 rollout.max_context=1536 c3po.token_budget="$BUDGET" \
+  checkpoint_every=0
+
+"$PY" "$HERE/../held_out.py" "$OUT"
