@@ -187,7 +187,7 @@ def _prepared(launch: _Launch, config: SandboxConfig, code: str, uid: int | None
         if launch.mode == "prelude":
             yield _Run([py.exe, "-s", "-c", _PRELUDE], {**_ENV, "TMPDIR": tmp}, fds, tmp)
             return
-        ops, env = view(py, config.packages, config.files, config.tmp_mb, main)
+        ops, env = view(py, config.packages, config.files, config.tmp_mb, main, other_uid=uid is not None)
         env = {"PATH": _VIEW_PATH, "PYTHONHASHSEED": "0", **env}
         inner = [py.executable, "-s", "-c", _PRELUDE]
         if launch.mode == "bwrap":
@@ -291,7 +291,7 @@ def _check_view(launch: _Launch, packages: tuple[str, ...], files: tuple[tuple[s
     out, err = _trial(launch, fresh_uid(), code, config)
     if out is None:
         hint = (" (Arbor runs as root, so the sandbox runs as a fresh uid: what it is given must be readable by "
-                "other users, not under a root-only folder)") if os.geteuid() == 0 else ""
+                "other users inside its folder)") if os.geteuid() == 0 else ""
         raise ValueError(f"sandbox.packages / sandbox.files: a sandboxed program could not import {imports} or see "
                          f"{[d for d, _ in files]}{hint}: {err}")
 

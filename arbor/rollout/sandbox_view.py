@@ -9,7 +9,10 @@ The view, all read-only but the tmpfs:
   place (the ``lib/pythonX.Y/os.py`` landmark), so nothing of the host prefix's path shows;
 - the declared packages (``SandboxConfig.packages``) with their installed dependencies, each top-level
   entry of their installed files bound in ``/opt/packages`` (PYTHONPATH);
-- the files the environment hands the run (``SandboxConfig.files``: {path in the sandbox: host path});
+- the files the environment hands the run (``SandboxConfig.files``: {path in the sandbox: host path}).
+  A root parent runs programs as a fresh uid, which cannot reach what sits in a private folder (a venv
+  in a 0700 checkout, files under /root): such a package or file is bound as a copy that other users
+  can read, made once per process and source version (top-level mtime) and deleted at exit;
 - a private ``/proc`` (its own PID namespace), a ``/dev`` of null, zero, full, random, urandom and tty,
   tmpfs of ``tmp_mb`` MiB on ``/tmp``, ``/var/tmp`` and ``/dev/shm``, the working directory ``/tmp/run``
   holding ``main.py``; ``/`` and ``/dev`` are remounted read-only last.
@@ -20,9 +23,13 @@ An operation is a tuple: ("bind", host, dest), ("symlink", target, dest), ("tmpf
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import stat
 import sys
+import tempfile
 from importlib import metadata
 from typing import NamedTuple
 
@@ -137,6 +144,49 @@ def package_sources(names) -> list[str]:
     return [paths[k] for k in sorted(paths)]
 
 
+def readable_by_others(path: str) -> bool:
+    """Whether a uid that is neither ``path``'s owner nor in its group (the sandbox's fresh uid) can reach
+    and read it: every ancestor searchable by others, the path itself readable (and searchable, a folder)."""
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
+    while folder != os.path.dirname(folder):
+        if not os.stat(folder).st_mode & stat.S_IXOTH:
+            return False
+        folder = os.path.dirname(folder)
+    mode = os.stat(path).st_mode
+    need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+    return mode & need == need
+
+
+_COPIES: dict[tuple[str, int], str] = {}
+
+
+def readable_copy(src: str) -> str:
+    """A copy of ``src`` that other users can read (folders 0755, files 0644 or 0755), in a folder of this
+    process's removed at exit; made once per source and top-level mtime."""
+    src = os.path.realpath(src)
+    key = (src, os.stat(src).st_mtime_ns)
+    if key not in _COPIES:
+        if not _COPIES:
+            root = tempfile.mkdtemp(prefix="arbor-sandbox-copies-")
+            atexit.register(shutil.rmtree, root, True)
+            _COPIES[("", 0)] = root
+        dest = os.path.join(_COPIES[("", 0)], str(len(_COPIES)), os.path.basename(src))
+        os.makedirs(os.path.dirname(dest))
+        if os.path.isdir(src):
+            shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest)
+        for folder, _, names in os.walk(_COPIES[("", 0)]):
+            os.chmod(folder, 0o755)
+            for name in names:
+                f = os.path.join(folder, name)
+                if not os.path.islink(f):
+                    os.chmod(f, 0o755 if os.stat(f).st_mode & stat.S_IXUSR else 0o644)
+        _COPIES[key] = dest
+    return _COPIES[key]
+
+
 def check_files(files: dict) -> None:
     """``SandboxConfig.files``: {absolute path in the sandbox: existing host path}, away from the view's own."""
     for dest, src in files.items():
@@ -149,17 +199,22 @@ def check_files(files: dict) -> None:
             raise ValueError(f"{where}: host path {src!r} does not exist")
 
 
-def view(py: Interpreter, packages, files: dict, tmp_mb: int, main_py: str) -> tuple[list[tuple], dict[str, str]]:
-    """(the mount operations, the environment) of a run; see the module docstring."""
+def view(py: Interpreter, packages, files: dict, tmp_mb: int, main_py: str,
+         other_uid: bool = False) -> tuple[list[tuple], dict[str, str]]:
+    """(the mount operations, the environment) of a run; see the module docstring. ``other_uid``: the
+    program runs as a uid other than this process's (packages and files it cannot read are copied)."""
     check_files(files)
+
+    def source(path: str) -> str:
+        return readable_copy(path) if other_uid and not readable_by_others(path) else os.path.realpath(path)
     ops = _libraries()
     interp, env = _interpreter(py)
     ops += interp
     pkgs = package_sources(packages) if packages else []
-    ops += [("bind", p, f"{PACKAGES_ROOT}/{os.path.basename(p)}") for p in pkgs]
+    ops += [("bind", source(p), f"{PACKAGES_ROOT}/{os.path.basename(p)}") for p in pkgs]
     if pkgs:
         env["PYTHONPATH"] = PACKAGES_ROOT
-    ops += [("bind", os.path.realpath(src), dest) for dest, src in sorted(files.items())]
+    ops += [("bind", source(src), dest) for dest, src in sorted(files.items())]
     size = tmp_mb << 20
     ops += [("proc", "/proc"), ("dev", "/dev"), ("tmpfs", "/tmp", size), ("tmpfs", "/var/tmp", size),
             ("tmpfs", "/dev/shm", size), ("dir", WORKDIR), ("file", main_py, f"{WORKDIR}/main.py"),
