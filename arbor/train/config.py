@@ -26,6 +26,7 @@ from arbor.rollout.collector import RolloutConfig
 from arbor.rollout.sandbox import SandboxConfig
 from arbor.train.losses import LossConfig
 from arbor.train.optim import OptimConfig
+from arbor.train.precision import check_dtype
 from arbor.train.routepack_hook import PlanConfig
 from arbor.train.run_log import LogConfig
 from arbor.train.tree_batch import TreeConfig
@@ -105,6 +106,7 @@ class RLConfig:
     ppo_epochs: int = 1          # passes over each step's samples
     mini_batches: int = 1        # optimizer steps per pass (each on 1/mini_batches of the samples)
     device: str = "cpu"          # the trainer's device, and the engine's (engine.device follows it)
+    dtype: str = "float32"       # training compute: float32 | bfloat16 (autocast; float32 master weights and log-probs) | float16 (CUDA)
     eval_every: int = 0
     eval_problems: int = 64      # held-out rows evaluated (the first ones of data.eval, or the task's test split)
     eval: EvalConfig = field(default_factory=EvalConfig)   # eval.samples=k (pass@k), eval.temperature, eval.table_rows
@@ -132,6 +134,7 @@ class RLConfig:
             self.rollout = RLRolloutConfig(**vars(self.rollout))
 
     def validate(self) -> None:
+        check_dtype(self.dtype, self.device)
         if self.rollout.overlap and self.loss.correction == "none":
             raise ValueError("rollout.overlap=true needs loss.correction tis or icepop (the behaviour policy lags "
                              "the trained one by a version), got loss.correction='none'")

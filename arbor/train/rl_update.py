@@ -22,6 +22,7 @@ from arbor.plan.packing import first_fit_decreasing
 from arbor.train.advantages import group_advantages
 from arbor.train.distributed import global_count, run_idle_passes
 from arbor.train.logprobs import packed_logprobs
+from arbor.train.precision import autocast
 from arbor.train.losses import policy_loss
 from arbor.train.optim import optimizer_step
 from arbor.train.tree_batch import build_tree
@@ -65,9 +66,12 @@ class PolicyUpdate:
         if self.cfg.replay_routing and trajs and all(t.routed_experts is not None for t in trajs):
             routed = torch.cat([t.routed_experts for t in trajs], 1).to(model.device)
         kw = dict(routed_experts=routed, with_aux=with_aux, spec=self.spec, entropy=entropy)
-        if self.cfg.tree.enabled:
-            return tree_packed_logprobs(model, seqs, cfg=self.cfg.tree, **kw)
-        return packed_logprobs(model, seqs, **kw)
+        with autocast(self.cfg.dtype, model.device):       # float32 unless dtype=bfloat16 (arbor.train.precision)
+            if self.cfg.tree.enabled:
+                out = tree_packed_logprobs(model, seqs, cfg=self.cfg.tree, **kw)
+            else:
+                out = packed_logprobs(model, seqs, **kw)
+        return (out[0].float(), *out[1:])
 
     def recompute_old(self, trajs):
         """→ (logp_old per trajectory: the trainer's log-probs at θ_old, logp_ref per trajectory or

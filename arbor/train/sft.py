@@ -27,6 +27,7 @@ from arbor.train.distributed import run_idle_passes, set_recompute
 from arbor.train.checkpoint import settings_of
 from arbor.train.loop import BatchTrainer
 from arbor.train.optim import OptimConfig
+from arbor.train.precision import DTYPES, autocast, check_dtype
 from arbor.train.run_log import LogConfig, RunLog
 from arbor.train.tree_batch import TreeConfig
 from arbor.train.tree_forward import tree_packed_logprobs
@@ -42,6 +43,7 @@ class SFTConfig:
     checkpoint_every: int = 100    # steps between resumable checkpoints in the run's out/checkpoint (0: none)
     moe_aux_coef: float = 0.0      # MoE: weight of the load-balancing loss (HF Qwen3-MoE uses 0.001)
     recompute: bool = False        # activation recomputation (gradient checkpointing per layer)
+    dtype: str = "float32"         # float32 | bfloat16 (autocast; float32 master weights and log-probs) | float16 (CUDA)
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(token_cap=4096))  # micro-batches: prefix trees of ≤ token_cap
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=20))
 
@@ -49,7 +51,8 @@ class SFTConfig:
         from arbor.configs import check
         check(self, (self.steps >= 1, "steps", "must be ≥ 1"), (self.batch_tokens >= 1, "batch_tokens", "must be ≥ 1"),
               (self.log_every >= 1, "log_every", "must be ≥ 1"), (self.checkpoint_every >= 0, "checkpoint_every", "must be ≥ 0"),
-              (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"))
+              (self.moe_aux_coef >= 0, "moe_aux_coef", "must be ≥ 0"),
+              (self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}"))
 
 
 def draw_batch(rng: random.Random, examples, batch_tokens: int) -> list[int]:
@@ -70,6 +73,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
     if not examples:
         raise ValueError("sft needs at least one demonstration")
     ctx = ctx or DistContext.single()
+    check_dtype(cfg.dtype, model.device)
     set_recompute(model, cfg.recompute)
     aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
 
@@ -86,10 +90,12 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
             seqs = [examples[batch[j]][0] for j in micro]
             mask = torch.tensor([m for j in micro for m in examples[batch[j]][1]], dtype=torch.float32,
                                 device=model.device)
-            if cfg.tree.enabled:
-                logp, _, *aux = tree_packed_logprobs(model, seqs, cfg=cfg.tree, with_aux=aux_coef > 0)
-            else:
-                logp, _, *aux = packed_logprobs(model, seqs, with_aux=aux_coef > 0)
+            with autocast(cfg.dtype, model.device):
+                if cfg.tree.enabled:
+                    logp, _, *aux = tree_packed_logprobs(model, seqs, cfg=cfg.tree, with_aux=aux_coef > 0)
+                else:
+                    logp, _, *aux = packed_logprobs(model, seqs, with_aux=aux_coef > 0)
+            logp = logp.float()
             loss = -(logp * mask).sum() / max(1, n_tokens)
             if aux:
                 share = sum(len(s) for s in seqs) / all_tokens
@@ -123,6 +129,10 @@ class SFTRunConfig:
     def validate(self) -> None:
         if self.demos < 1:
             raise ValueError(f"demos must be ≥ 1, got {self.demos}")
+        try:
+            check_dtype(self.train.dtype, self.device)
+        except ValueError as e:
+            raise ValueError(f"train.{e}") from None
 
 
 def sft_examples(cfg: SFTRunConfig, tok) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
