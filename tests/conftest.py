@@ -94,7 +94,7 @@ MARKS = {
               "test_rl_overlap.py::test_bench_rl_times_both_schedules"],
     "numerics": [       # results that depend on kernels and instruction sets: float equalities, greedy tokens
         "test_model_attention.py", "test_tree_model.py", "test_tree_batch.py", "test_gated_deltanet.py", "test_moe.py",
-        "test_models_hf.py", "test_cpu_ops.py", "test_engine_cpu_kernels.py", "test_engine_greedy.py",
+        "test_models_hf.py", "test_cpu_ops.py", "test_precision.py", "test_engine_cpu_kernels.py", "test_engine_greedy.py",
         "test_engine_sampling.py", "test_engine_async.py", "test_engine_config.py", "test_layerkv.py", "test_sft.py",
         "test_train_resume.py", "test_losses.py", "test_rl_loop.py", "test_rl_objectives.py", "test_rl_overlap.py",
         "test_rl_engine_copy.py", "test_ebpo.py", "test_ebpo_trainer.py", "test_tad.py", "test_tad_delta.py",
