@@ -34,3 +34,8 @@ def autocast(dtype: str, device):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=getattr(torch, dtype))
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when autocast left it in a 16-bit dtype; float32 and float64 as they are."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t

@@ -22,7 +22,7 @@ from arbor.plan.packing import first_fit_decreasing
 from arbor.train.advantages import group_advantages
 from arbor.train.distributed import global_count, run_idle_passes
 from arbor.train.logprobs import packed_logprobs
-from arbor.train.precision import autocast
+from arbor.train.precision import autocast, upcast
 from arbor.train.losses import policy_loss
 from arbor.train.optim import optimizer_step
 from arbor.train.tree_batch import build_tree
@@ -71,7 +71,7 @@ class PolicyUpdate:
                 out = tree_packed_logprobs(model, seqs, cfg=self.cfg.tree, **kw)
             else:
                 out = packed_logprobs(model, seqs, **kw)
-        return (out[0].float(), *out[1:])
+        return (upcast(out[0]), *out[1:])
 
     def recompute_old(self, trajs):
         """→ (logp_old per trajectory: the trainer's log-probs at θ_old, logp_ref per trajectory or

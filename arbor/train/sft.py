@@ -27,7 +27,7 @@ from arbor.train.distributed import run_idle_passes, set_recompute
 from arbor.train.checkpoint import settings_of
 from arbor.train.loop import BatchTrainer
 from arbor.train.optim import OptimConfig
-from arbor.train.precision import DTYPES, autocast, check_dtype
+from arbor.train.precision import DTYPES, autocast, check_dtype, upcast
 from arbor.train.run_log import LogConfig, RunLog
 from arbor.train.tree_batch import TreeConfig
 from arbor.train.tree_forward import tree_packed_logprobs
@@ -95,7 +95,7 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
                     logp, _, *aux = tree_packed_logprobs(model, seqs, cfg=cfg.tree, with_aux=aux_coef > 0)
                 else:
                     logp, _, *aux = packed_logprobs(model, seqs, with_aux=aux_coef > 0)
-            logp = logp.float()
+            logp = upcast(logp)
             loss = -(logp * mask).sum() / max(1, n_tokens)
             if aux:
                 share = sum(len(s) for s in seqs) / all_tokens
