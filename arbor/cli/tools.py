@@ -12,7 +12,7 @@ import importlib
 import sys
 
 BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "engine-profile", "ep", "routepack",
-              "cluster", "makespan", "ttft", "sandbox", "render"]
+              "cluster", "makespan", "ttft", "sandbox", "train-memory", "render"]
 
 
 def add_bench(sub) -> None:
