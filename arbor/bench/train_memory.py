@@ -38,7 +38,7 @@ stamps = [time.perf_counter()]
 cfg = SFTConfig(steps=a["steps"], log_every=1, checkpoint_every=0, batch_tokens=a["tokens"], dtype=a["dtype"],
                 tree=TreeConfig(enabled=False, token_cap=a["tokens"]), optim=OptimConfig(lr=1e-5, warmup_steps=0))
 rows = sft(model, examples, cfg, on_log=lambda r: stamps.append(time.perf_counter()))
-print(json.dumps({"step_s": [b - a_ for a_, b in zip(stamps, stamps[1:])], "loss": [r["loss"] for r in rows],
+print(json.dumps({"step_s": [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])], "loss": [r["loss"] for r in rows],
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                   "params": sum(p.numel() for p in model.parameters())}))
 '''

@@ -158,7 +158,8 @@ def readable_by_others(path: str) -> bool:
     return mode & need == need
 
 
-_COPIES: dict[tuple[str, int], str] = {}
+_COPIES: dict[tuple[str, int], str] = {}      # (source, its top-level mtime) → its copy
+_copies_root: list[str] = []                  # the process's folder of copies, once made
 
 
 def readable_copy(src: str) -> str:
@@ -167,17 +168,17 @@ def readable_copy(src: str) -> str:
     src = os.path.realpath(src)
     key = (src, os.stat(src).st_mtime_ns)
     if key not in _COPIES:
-        if not _COPIES:
-            root = tempfile.mkdtemp(prefix="arbor-sandbox-copies-")
-            atexit.register(shutil.rmtree, root, True)
-            _COPIES[("", 0)] = root
-        dest = os.path.join(_COPIES[("", 0)], str(len(_COPIES)), os.path.basename(src))
+        if not _copies_root:
+            _copies_root.append(tempfile.mkdtemp(prefix="arbor-sandbox-copies-"))
+            os.chmod(_copies_root[0], 0o755)
+            atexit.register(shutil.rmtree, _copies_root[0], True)
+        dest = os.path.join(_copies_root[0], str(len(_COPIES)), os.path.basename(src))
         os.makedirs(os.path.dirname(dest))
         if os.path.isdir(src):
             shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, dest)
-        for folder, _, names in os.walk(_COPIES[("", 0)]):
+        for folder, _, names in os.walk(os.path.dirname(dest)):    # this copy only
             os.chmod(folder, 0o755)
             for name in names:
                 f = os.path.join(folder, name)
