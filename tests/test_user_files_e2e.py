@@ -87,16 +87,18 @@ def test_sft_then_rl_from_user_files_raises_held_out_reward(tmp_path):
           "train.batch_tokens=2048", "train.optim.lr=3e-3", "train.checkpoint_every=0", "log.progress=false")
     shown = arbor("eval", tmp_path / "sft", *rows, "--n", 36)
     before = float(re.search(r"eval_reward (-?[0-9.]+)", shown).group(1))
-    arbor("train", f"model={tmp_path / 'sft'}", f"out={tmp_path / 'rl'}", *rows, "steps=40", "eval_every=20",
+    arbor("train", f"model={tmp_path / 'sft'}", f"out={tmp_path / 'rl'}", *rows, "steps=60", "eval_every=30",
           "eval_problems=36", "rollout.branch=[8]", "rollout.max_context=320", "c3po.token_budget=1200",
-          "optim.lr=1e-4", "optim.warmup_steps=5", "optim.betas=[0.9,0.999]", "checkpoint_every=0", "log.progress=false")
+          "optim.lr=5e-5", "optim.warmup_steps=5", "optim.betas=[0.9,0.999]", "checkpoint_every=0", "log.progress=false")
     log = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     evals = [row for row in log if "eval_reward" in row]
     # eval_reward = correct + is_color per sample (0 to 2), over 36 held-out rows × 8 samples. Measured
-    # with training seeds 0, 1, 2: 1.25 to 1.38 after SFT (is_color ≈ 1, correct ≈ 0.3 to 0.4) and 1.67
-    # to 1.80 after RL (a rise of 0.42 to 0.43). An estimate from 288 samples varies by about 0.05
-    # (one standard deviation), so a rise of 0.2 is 4 of them above "no change" and half the measured one.
-    assert evals[-1]["eval_reward"] >= before + 0.2, (before, [row["eval_reward"] for row in evals])
+    # with RL seeds 0, 1, 2, each with ATen/oneDNN at their best ISA (AVX-512/AMX) and capped at AVX2
+    # (other float rounding, as another CPU gives): 1.35 to 1.38 after SFT, a rise of 0.22 to 0.38 after
+    # 60 steps (median 0.34). At lr 1e-4 (and 40 steps) one run in three collapsed below its SFT start,
+    # so lr is 5e-5. An estimate from 288 samples varies by about 0.05 (one standard deviation): a rise
+    # of 0.1 is 2 of them above "no change" and under half the smallest rise measured.
+    assert evals[-1]["eval_reward"] >= before + 0.1, (before, [row["eval_reward"] for row in evals])
     trained = [row for row in log if "reward" in row]
     assert all({"reward/rewards.correct", "reward/rewards.is_color", "reward_errors"} <= set(row) for row in trained)
     assert sum(row["reward_errors"] for row in trained) == 0
