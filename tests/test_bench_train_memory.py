@@ -1,4 +1,4 @@
-"""``arbor bench train-memory`` end to end at a tiny shape: both dtypes run in their own processes, the
+"""``arbor bench train-memory`` end to end at a tiny shape: each system runs in its own process, the
 figures and targets are computed from the run."""
 
 import json
@@ -11,9 +11,13 @@ def test_bench_train_memory_smoke(tmp_path):
                  "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "256", "--tokens", "512",
                  "--steps", "2"]) in (0, None)
     r = json.loads((tmp_path / "train-memory.json").read_text())
-    assert (tmp_path / "train-memory.png").exists() and set(r["results"]) == {"float32", "bfloat16"}
-    for res in r["results"].values():
-        assert len(res["step_s"]) == 2 and res["peak_rss_gib"] > 0 and len(res["loss"]) == 2
+    res = r["results"]
+    assert (tmp_path / "train-memory.png").exists() and set(res) == {"float32", "bfloat16", "bfloat16+lora16"}
+    for one in res.values():
+        assert len(one["step_s"]) == 2 and one["peak_rss_gib"] > 0 and len(one["loss"]) == 2
+    assert res["bfloat16"]["trainable"] == res["float32"]["trainable"] > 2 * res["bfloat16+lora16"]["trainable"]
     speed, lora = r["targets"]
-    assert speed["value"] == r["results"]["bfloat16"]["median_step_s"] / r["results"]["float32"]["median_step_s"]
-    assert speed["met"] == (speed["value"] <= 0.8) and lora["met"] is False
+    assert speed["value"] == res["bfloat16"]["median_step_s"] / res["float32"]["median_step_s"]
+    assert speed["met"] == (speed["value"] <= 0.8)
+    assert lora["value"] == res["bfloat16+lora16"]["peak_rss_gib"] / res["float32"]["peak_rss_gib"]
+    assert lora["met"] == (lora["value"] <= 0.4)

@@ -1,5 +1,5 @@
 """The ``arbor`` command. Each subcommand is registered by one small ``add_*`` function listed in
-``SUBCOMMANDS`` (jobs in ``jobs``, generate/serve in ``serving``, bench/launch/plan in ``tools``);
+``SUBCOMMANDS`` (jobs in ``jobs``, generate/serve in ``serving``, bench/export/launch/plan in ``tools``);
 handlers call library code and hold no logic a library user would need.
 """
 
@@ -12,19 +12,19 @@ import sys
 from arbor.cli.common import ArborParser
 from arbor.cli.jobs import add_demo, add_dllm_distill, add_dllm_train, add_eval, add_sft, add_train
 from arbor.cli.serving import add_generate, add_serve
-from arbor.cli.tools import BENCHMARKS, add_bench, add_launch, add_plan, bench_parser
+from arbor.cli.tools import BENCHMARKS, add_bench, add_export, add_launch, add_plan, bench_parser
 
 __all__ = ["BENCHMARKS", "bench_parser", "build_parser", "main"]
 
 SUBCOMMANDS = [add_bench, add_sft, add_train, add_eval, add_demo, add_dllm_train, add_dllm_distill, add_generate,
-               add_serve, add_launch, add_plan]
+               add_serve, add_export, add_launch, add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arbor", description=(
         "Arbor: RL post-training for agentic LLMs — rollout engine, multi-turn tree rollouts, tree training, "
         "mismatch-safe objectives, MoE and block-diffusion models. Jobs (sft, train, demo, dllm-train, "
-        "dllm-distill) take [cfg.toml] key=value …; tools (generate, eval, serve, bench, launch, plan) take flags. "
+        "dllm-distill) take [cfg.toml] key=value …; tools (generate, eval, serve, export, bench, launch, plan) take flags. "
         "`arbor COMMAND --help` for each."))
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArborParser)
     for add in SUBCOMMANDS:

@@ -35,7 +35,9 @@ def add_train(sub) -> None:
         families.train(cfg)
         final = Path(cfg.out) / "final" / "model"
         if final.is_dir():
-            print(f"saved {final} (an HF folder: arbor eval / generate / serve take it)")
+            kind = ("a LoRA adapter over its base; `arbor export --merge` writes a plain HF folder"
+                    if (final / "adapter_config.json").is_file() else "an HF folder")
+            print(f"saved {final} ({kind}; arbor eval / generate / serve take it)")
 
     p.set_defaults(func=run)
 

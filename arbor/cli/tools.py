@@ -12,7 +12,7 @@ import importlib
 import sys
 
 BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "engine-profile", "ep", "routepack",
-              "cluster", "makespan", "ttft", "sandbox", "train-memory", "render"]
+              "cluster", "makespan", "ttft", "sandbox", "train-memory", "lora", "render"]
 
 
 def add_bench(sub) -> None:
@@ -124,3 +124,19 @@ def add_plan(sub) -> None:
         print(f"wrote {path}")
 
     c.set_defaults(func=run)
+
+
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a plain HF model folder from a model, a checkpoint or (--merge) a LoRA adapter")
+    p.add_argument("src", help="a model folder, a training checkpoint (OUT/final, OUT/checkpoint) or a LoRA adapter folder")
+    p.add_argument("out", help="the new HF folder (must not exist, or be empty)")
+    p.add_argument("--merge", action="store_true", help="fold a LoRA adapter into its base's weights")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
+
+    def run(a):
+        import torch
+
+        from arbor.models.checkpoint import export_model
+        print(f"wrote {export_model(a.src, a.out, a.merge, getattr(torch, a.dtype) if a.dtype else None)}")
+
+    p.set_defaults(func=run)

@@ -152,8 +152,15 @@ def own_tensor_filter(model: CausalLM):
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu", ctx=None) -> CausalLM:
     """Build the model a folder describes and load its weights (dtype: None keeps the file's).
     With a ``DistContext`` of ``ep_size`` > 1 the experts are sharded over its EP group and each rank
-    reads only its own experts' tensors."""
+    reads only its own experts' tensors. A LoRA adapter folder (``arbor.models.lora``) loads as its
+    base model with the adapter merged."""
+    from arbor.models.lora import adapter_base, is_adapter_folder, merge_lora, read_adapter
     folder = Path(path)
+    if is_adapter_folder(folder):
+        model = load_model(adapter_base(folder), None, device, ctx)
+        read_adapter(model, folder)
+        model = merge_lora(model).requires_grad_(True)      # a plain model again, as a weights folder loads
+        return (model.to(dtype) if dtype is not None else model).eval()
     cfg = ModelConfig.from_file(folder)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -218,3 +225,25 @@ def gather_hf_tensors(model, ctx) -> dict[str, torch.Tensor]:
     for part in ctx.all_gather_object(experts if ctx.rank < ctx.ep_size else {}, "gather experts for save"):
         tensors.update(part)
     return tensors
+
+
+def export_model(src: str | Path, out: str | Path, merge: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """``arbor export``: write a plain HF folder at ``out`` from a model folder, a LoRA adapter folder
+    (``merge``: the adapter folded into its base's weights) or a training checkpoint (its ``model``).
+    Raises ValueError when ``out`` is not empty, or when ``merge`` does not match what ``src`` holds."""
+    from arbor.models.lora import is_adapter_folder
+    from arbor.models.tokenizer import Tokenizer
+    src, out = Path(src), Path(out)
+    if (src / "trainer.pt").is_file() and (src / "model").is_dir():      # a checkpoint (OUT/final, OUT/checkpoint)
+        src = src / "model"
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; export into a new folder")
+    adapter = is_adapter_folder(src)
+    if adapter and not merge:
+        raise ValueError(f"{src} is a LoRA adapter (PEFT format: peft loads it onto its base as it is); add --merge to "
+                         "write a plain HF folder with the adapter merged into the base weights")
+    if merge and not adapter:
+        raise ValueError(f"{src} holds no LoRA adapter (adapter_config.json) to merge; drop --merge to export it as it is")
+    model = load_model(src, dtype)
+    tokenizer = Tokenizer.load(src) if (src / "tokenizer.json").is_file() else None
+    return save_model(model, out, tokenizer=tokenizer)

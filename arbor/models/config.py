@@ -251,9 +251,10 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
+        from arbor.models.lora import adapter_base, is_adapter_folder
         path = Path(path)
         if path.is_dir():
-            path = path / "config.json"
+            path = (adapter_base(path) if is_adapter_folder(path) else path) / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"no config.json at {path}")
         try:

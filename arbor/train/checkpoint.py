@@ -42,18 +42,24 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
     ``trainer.pt`` ({world_size, settings}) last and moves the folders. An expert-parallel model's
     per-layer expert placement is saved with each rank's state and re-applied by ``load_state``
     before the weights and the optimizer's slot-indexed moments are loaded (a migrated placement
-    resumes as it was)."""
+    resumes as it was). A model with LoRA adapters saves (and resumes) the adapters alone, as a PEFT
+    folder over its base."""
     from arbor.models import save_model
+    from arbor.models.lora import has_lora
     folder, ctx = Path(folder), ctx or DistContext.single()
     tmp = _tmp(folder)
-    tensors = None
-    if ctx.ep_size > 1:
+    tensors, lora = None, has_lora(model)
+    if ctx.ep_size > 1 and not lora:
         from arbor.models.checkpoint import gather_hf_tensors
         tensors = gather_hf_tensors(model, ctx)
     if ctx.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
-        save_model(model, tmp / "model", tokenizer=tokenizer, tensors=tensors)
+        if lora:            # the adapter only: the base is the run's frozen model folder (settings name it)
+            from arbor.train.lora import save_adapter_folder
+            save_adapter_folder(model, tmp / "model", tokenizer)
+        else:
+            save_model(model, tmp / "model", tokenizer=tokenizer, tensors=tensors)
     ctx.barrier("checkpoint: model written")
     mine = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **state}
@@ -150,12 +156,18 @@ def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict
     if state.get("ep_placements"):    # a migrated placement: relabel first, so weights and moments land in place
         from arbor.models.expert_migration import set_placement
         set_placement(model, state.pop("ep_placements"))
-    weights = from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model)
+    from arbor.models.lora import has_lora, read_adapter
+    if has_lora(model):
+        read_adapter(model, folder / "model")
+        weights = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    else:
+        weights = from_hf_tensors(read_tensors(folder / "model", keep=own_tensor_filter(model)), model)
     bad = next((name for name, t in weights.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:
         raise ValueError(f"{folder / 'model'}: tensor '{bad}' holds NaN or inf values; this checkpoint cannot be "
                          f"resumed — delete {folder} (or restore an earlier one) to start over")
-    model.load_state_dict(weights)
+    if not has_lora(model):
+        model.load_state_dict(weights)
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
     cuda_rng = state.pop("cuda_rng")

@@ -22,6 +22,7 @@ from arbor.data.config import DataConfig, EvalConfig
 from arbor.data.rewards import RewardConfig
 from arbor.distributed import DistConfig
 from arbor.engine.config import EngineConfig
+from arbor.models.lora import LoRAConfig
 from arbor.rollout.collector import RolloutConfig
 from arbor.rollout.sandbox import SandboxConfig
 from arbor.train.losses import LossConfig
@@ -115,6 +116,7 @@ class RLConfig:
     replay_routing: bool = True  # MoE: trainer forwards reuse the engine's expert ids per model token (R3)
     moe_aux_coef: float = 0.0    # MoE: weight of the load-balancing loss (tree tokens count multiplicity times)
     recompute: bool = False      # activation recomputation (gradient checkpointing per layer)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)   # lora.rank=16: train adapters only (rollouts use them merged)
     old_logprobs: str = "auto"   # auto: θ_old's log-probs from the training forward when exact (see RLTrainer.skips_recompute) | recompute
     engine: EngineConfig = field(default_factory=EngineConfig)   # the rollout engine (engine.dtype, engine.policy, engine.share_weights, …)
     tree: TreeConfig = field(default_factory=TreeConfig)   # each group as one prefix tree (HARTS); token_cap per micro-batch

@@ -43,6 +43,7 @@ from arbor.rollout.collector import Collector
 from arbor.train.checkpoint import settings_of
 from arbor.train.config import RLConfig
 from arbor.train.distributed import global_count, set_recompute
+from arbor.train.lora import sync_tensors
 from arbor.train.loop import run_loop
 from arbor.train.optim import make_optimizer
 from arbor.train.rl_eval import evaluate_rows
@@ -119,7 +120,7 @@ class RLTrainer(PolicyUpdate):
     # ---- one step -----------------------------------------------------------------------
     def sync_weights(self) -> float:
         t0 = time.perf_counter()
-        self.engine.update_weights(self.model.state_dict())
+        self.engine.update_weights(sync_tensors(self.model))
         self.collector.version += 1
         return time.perf_counter() - t0
 
@@ -240,7 +241,7 @@ class RLTrainer(PolicyUpdate):
         for ep in self.pool:                # carried episodes: their loaded functions are not in the checkpoint
             if hasattr(ep.env, "bind"):
                 ep.env.bind(fresh)
-        self.engine.update_weights(self.model.state_dict())
+        self.engine.update_weights(sync_tensors(self.model))
 
     async def eval_row(self) -> dict:
         """The held-out metrics ``run_loop`` adds to a row every ``eval_every`` steps (``arbor.train.rl_eval``);

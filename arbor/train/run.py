@@ -75,7 +75,14 @@ def build_trainer(cfg):
     ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
     model = load_model(cfg.model, dtype=torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
-    engine, sampling = make_engine(model, tok, engine_config(cfg), ctx)
+    ecfg = engine_config(cfg)
+    if cfg.lora.enabled:           # the engine serves its own plain copy, refreshed with merged weights (train.lora)
+        import dataclasses
+        from arbor.train.lora import adapt
+        ecfg = dataclasses.replace(ecfg, share_weights=False)
+    engine, sampling = make_engine(model, tok, ecfg, ctx)
+    if cfg.lora.enabled:
+        adapt(model, cfg.lora, cfg.dtype, cfg.model, cfg.out, tok, ctx)
     task = rl_task(cfg, tok)
     print_notes(task, ctx)
     return RLTrainer(cfg, model, tok, engine, sampling, task, ctx)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from arbor.data.config import DataConfig
+from arbor.models.lora import LoRAConfig
 from arbor.plan.packing import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.distributed import DistConfig, DistContext
@@ -123,6 +124,7 @@ class SFTRunConfig:
     demo_options: dict = field(default_factory=dict)   # the task's demonstration options, e.g. {mental_rate = 0.6}
     device: str = "cpu"                                # the training device: cpu | cuda | cuda:N
     train: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)   # lora.rank=16: train adapters only; OUT is then a PEFT adapter folder
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
 
@@ -169,6 +171,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     from arbor.distributed import init_distributed
     from arbor.models import CausalLM, ModelConfig, load_model, save_model
     from arbor.models.checkpoint import gather_hf_tensors
+    from arbor.train.lora import adapt, save_adapter_folder
     from arbor.models.expert_parallel import shard_experts
     from arbor.models.presets import PRESETS, preset_config
     from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
@@ -184,6 +187,8 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
         ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
         tok, model = Tokenizer.load(cfg.model), load_model(cfg.model, dtype=torch.float32, ctx=ctx)
     model.to(cfg.device)
+    if cfg.lora.enabled:
+        adapt(model, cfg.lora, cfg.train.dtype, cfg.model, cfg.out, tok, ctx)
     examples, notes = sft_examples(cfg, tok)
     if ctx.is_main:
         for line in notes:
@@ -191,8 +196,10 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     stop = None if until is None else (lambda step: until(model, tok, step))
     run_log = RunLog(cfg.out, cfg, cfg.train.steps, cfg.log, enabled=ctx.is_main, name="sft")
     history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg), ctx, run_log)
-    tensors = gather_hf_tensors(model, ctx) if ctx.ep_size > 1 else None
-    if ctx.is_main:
+    tensors = gather_hf_tensors(model, ctx) if ctx.ep_size > 1 and not cfg.lora.enabled else None
+    if ctx.is_main and cfg.lora.enabled:
+        save_adapter_folder(model, cfg.out, tok)
+    elif ctx.is_main:
         save_model(model, cfg.out, tokenizer=tok, tensors=tensors)
     ctx.barrier("sft: saved")
     return model, tok, history
