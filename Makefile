@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-unit test-isa demo docs venv sandbox-tool clean
+.PHONY: test test-unit test-isa demo docs venv sandbox-tool gpu-check clean
 
 $(BIN)/arbor: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ test-isa: venv
 
 demo: venv
 	$(BIN)/arbor demo
+
+# The CUDA paths in one run of a few minutes on one GPU (arbor/bench/gpu_check.py): engine vs transformers,
+# LayerKV, the server, bf16 SFT and RL steps at Qwen3-0.6B's shape with peak memory against the memory plan.
+gpu-check: venv
+	$(BIN)/python -m arbor.bench.gpu_check --out runs/gpu-check
 
 docs: venv    # the generated docs: docs/benchmarks + README results table, and docs/config.md
 	$(BIN)/arbor bench render

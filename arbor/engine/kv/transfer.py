@@ -14,9 +14,11 @@ Measured: ``bytes`` per kind (``offload``: device → host, ``prefetch``: host �
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
@@ -31,6 +33,19 @@ class Job:
         self.start_event = self.end_event = None
 
 
+_LIVE: "weakref.WeakSet[Copier]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """Stop and join every worker before the interpreter tears torch down: a worker still alive in
+    its queue at exit aborted the process now and then ("terminate called without an active
+    exception", exit 134)."""
+    for copier in list(_LIVE):
+        copier.close()
+        copier.thread.join(5)
+
+
 class Copier:
     def __init__(self, device, inline_bytes: int = 0):
         self.device = torch.device(device)
@@ -42,6 +57,7 @@ class Copier:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._work, name="kv-copy", daemon=True)
         self.thread.start()
+        _LIVE.add(self)
 
     def submit(self, fn, nbytes: int, kind: str) -> Job:
         """Queue ``fn()`` (a few tensor copies) on the worker; → its job. On CPU a copy smaller than
