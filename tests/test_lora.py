@@ -163,3 +163,11 @@ def test_cli_sft_with_adapters_then_export_merge_and_resume_onto_another_base(tm
     assert cli_main([*words, "train.steps=4", f"model={b}", f"out={tmp_path / 'sft'}"]) == 2
     err = capsys.readouterr().err
     assert str(a) in err and str(b) in err and "delete" in err
+
+
+def test_default_targets_adapt_the_projections_an_moe_model_has():
+    from tests.test_rl_loop import SMALL as RL_SMALL
+    moe = CausalLM(ModelConfig(**RL_SMALL | dict(architecture="Qwen3MoeForCausalLM", num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=32)))
+    names = apply_lora(moe, LoRAConfig(rank=2))          # fused experts are not linears: attention only
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj"}

@@ -93,6 +93,8 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, base_dtype: torch.dtype | None
     modules that exist when a target matches none; the tied lm_head and experts are never adapted."""
     names = linear_names(model)
     missing = [t for t in cfg.targets if not any(_matches(n, t) for n in names)]
+    if cfg.targets == DEFAULT_TARGETS and len(missing) < len(cfg.targets):
+        missing = []            # the defaults adapt the projections a model has (an MoE model has no dense MLP)
     if missing:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in names})
         raise ValueError(f"lora.targets {missing} name no linear module of this model; its linear modules are "

@@ -49,7 +49,7 @@ def adapt(model, cfg: LoRAConfig, train_dtype: str, model_arg: str, out: str | P
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         print(f"[lora] rank {cfg.rank}, alpha {cfg.alpha}: {len(adapted)} linear modules adapted "
-              f"({', '.join(cfg.targets)}); {trainable:,} of {total:,} parameters train ({100 * trainable / total:.2f} %); "
+              f"({', '.join(sorted({n.rsplit('.', 1)[-1] for n in adapted}))}); {trainable:,} of {total:,} parameters train ({100 * trainable / total:.2f} %); "
               f"base {base}", flush=True)
     return base
 
