@@ -8,9 +8,16 @@ with random weights at `--hidden`, `--layers`, … (default: Qwen3-0.6B's shape,
 `--steps` SFT steps of `--tokens` tokens (random sequences of 512 tokens, one micro-batch) through
 `arbor.train.sft.sft` with AdamW. Reported per system: median step time over the steps after the
 first, and peak RSS (`ru_maxrss`) of the whole process: weights, gradients, AdamW moments,
-activations, allocator slack.
+activations, allocator slack; beside it the memory plan's total for the same settings
+(`arbor.train.memory_plan`, computed in the same process before the model is built).
 
-Targets (issue 38): bf16 step time ≤ 0.8× float32's; bf16 + LoRA rank 16 peak ≤ 40 % of float32's.
+A system named `rl-DTYPE[+loraR]` runs `arbor train` steps instead (`build_trainer`: the colocated
+engine in DTYPE, LoRA merged into it at each sync): the built-in tokenizer's 104-word vocabulary,
+the arithmetic task, 2 groups × 4 samples of ≤ 64 new tokens, `tree.token_cap=2048`; its plan is
+that config's worst case (a full micro-batch), so it bounds the measured peak from above.
+
+Targets (issue 38): bf16 step time ≤ 0.8× float32's; bf16 + LoRA rank 16 peak ≤ 40 % of float32's;
+the memory plan within 15 % of the measured peak RSS.
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ from arbor.models.lora import LoRAConfig, apply_lora
 from arbor.train.optim import OptimConfig
 from arbor.train.sft import SFTConfig, sft
 from arbor.train.tree_batch import TreeConfig
+from arbor.models.lora import DEFAULT_TARGETS
+from arbor.train.memory_plan import PlanInputs, plan
 a = json.loads(sys.argv[1])
+mcfg = ModelConfig(hidden_size=a["hidden"], intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
+                   num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"],
+                   vocab_size=a["vocab"], tie_word_embeddings=True)
+planned = plan(PlanInputs(model=mcfg, dtype=a["dtype"], lora_rank=a["lora"], lora_targets=DEFAULT_TARGETS,
+                          tokens=a["tokens"], recompute=False))
 torch.manual_seed(0)
-model = CausalLM(ModelConfig(hidden_size=a["hidden"], intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
-                             num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"],
-                             vocab_size=a["vocab"], tie_word_embeddings=True))
+model = CausalLM(mcfg)
 if a["lora"]:
     apply_lora(model, LoRAConfig(rank=a["lora"]), base_dtype=None if a["dtype"] == "float32" else getattr(torch, a["dtype"]))
 g = torch.Generator().manual_seed(1)
@@ -45,7 +57,45 @@ rows = sft(model, examples, cfg, on_log=lambda r: stamps.append(time.perf_counte
 print(json.dumps({"step_s": [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])], "loss": [r["loss"] for r in rows],
                   "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                   "params": sum(p.numel() for p in model.parameters()),
-                  "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
+                  "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                  "plan_gib": sum(b for _, b, _ in planned) / 2**30, "plan": {n: b / 2**30 for n, b, _ in planned}}))
+'''
+
+_RL_CHILD = r'''
+import asyncio, json, resource, sys, tempfile, time
+import torch
+from arbor import configs
+from arbor.models import CausalLM, ModelConfig, save_model
+from arbor.models.tokenizer import builtin_tokenizer
+from arbor.train.config import RLConfig
+from arbor.train.memory_plan import from_rl, plan
+from arbor.train.run import build_trainer
+a = json.loads(sys.argv[1])
+tok = builtin_tokenizer()
+folder = tempfile.mkdtemp()
+torch.manual_seed(0)
+save_model(CausalLM(ModelConfig(hidden_size=a["hidden"], intermediate_size=a["intermediate"], num_hidden_layers=a["layers"],
+                                num_attention_heads=a["heads"], num_key_value_heads=a["kv_heads"], head_dim=a["head_dim"],
+                                vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)),
+           folder, tokenizer=tok)
+q = json.dumps
+cfg = configs.load(RLConfig, None, [f"model={q(folder)}", f"out={q(folder + '/rl')}", f"dtype={q(a['dtype'])}",
+                                    f"engine.dtype={q(a['dtype'])}", f"lora.rank={a['lora']}", "task=\"arithmetic\"",
+                                    "groups_per_step=2", "rollout.branch=[4]", "rollout.max_turns=1",
+                                    "rollout.max_turn_tokens=64", "rollout.max_context=256", "c3po.enabled=false",
+                                    "tree.token_cap=2048", "checkpoint_every=0", "engine.kv_cache_bytes=268435456"])
+planned = plan(from_rl(cfg))
+trainer = build_trainer(cfg)
+stamps, rows = [time.perf_counter()], []
+for _ in range(a["steps"]):
+    rows.append(asyncio.run(trainer.train_step()))
+    stamps.append(time.perf_counter())
+print(json.dumps({"step_s": [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])], "loss": [r["loss"] for r in rows],
+                  "tokens": [r["tokens"] for r in rows],
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                  "params": sum(p.numel() for p in trainer.model.parameters()),
+                  "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+                  "plan_gib": sum(b for _, b, _ in planned) / 2**30, "plan": {n: b / 2**30 for n, b, _ in planned}}))
 '''
 
 
@@ -60,22 +110,25 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per SFT step (one micro-batch)")
     p.add_argument("--steps", type=int, default=3, help="SFT steps per system (the first is not timed)")
     p.add_argument("--systems", default="float32,bfloat16,bfloat16+lora16",
-                   help="training dtypes to run, comma-separated; DTYPE+loraR adds LoRA adapters of rank R")
+                   help="training dtypes to run, comma-separated; DTYPE+loraR adds LoRA adapters of rank R; an rl- "
+                        "prefix runs `arbor train` steps instead (module docstring)")
 
 
-def _system(name: str) -> tuple[str, int]:
-    """"bfloat16+lora16" → ("bfloat16", 16); "float32" → ("float32", 0)."""
-    dtype, _, lora = name.partition("+lora")
+def _system(name: str) -> tuple[bool, str, int]:
+    """"rl-bfloat16+lora16" → (True, "bfloat16", 16); "float32" → (False, "float32", 0)."""
+    rl = name.startswith("rl-")
+    dtype, _, lora = name.removeprefix("rl-").partition("+lora")
     if dtype not in ("float32", "bfloat16") or (lora and not lora.isdigit()) or lora == "0":
-        raise ValueError(f"--systems: {name!r} is not DTYPE or DTYPE+loraR (DTYPE float32 or bfloat16, R ≥ 1)")
-    return dtype, int(lora or 0)
+        raise ValueError(f"--systems: {name!r} is not [rl-]DTYPE[+loraR] (DTYPE float32 or bfloat16, R ≥ 1)")
+    return rl, dtype, int(lora or 0)
 
 
 def _run(args, name: str) -> dict:
-    dtype, lora = _system(name)
+    rl, dtype, lora = _system(name)
     spec = {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
                                           "tokens", "steps")} | {"dtype": dtype, "lora": lora}
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", _RL_CHILD if rl else _CHILD, json.dumps(spec)], capture_output=True,
+                       text=True)
     if r.returncode != 0:
         raise RuntimeError(f"bench train-memory: {name} failed: {r.stderr.strip()[-800:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -90,24 +143,30 @@ def main(args) -> None:
         timed = res["step_s"][1:] or res["step_s"]
         res["median_step_s"] = median(timed)
     base = results.get("float32")
-    rows = [[s, r["median_step_s"], r["peak_rss_gib"], r["median_step_s"] / base["median_step_s"] if base else "-",
+    rows = [[s, r["median_step_s"], r["peak_rss_gib"], r["plan_gib"], r["plan_gib"] / r["peak_rss_gib"] - 1,
+             r["median_step_s"] / base["median_step_s"] if base else "-",
              r["peak_rss_gib"] / base["peak_rss_gib"] if base else "-"] for s, r in results.items()]
     params = next(iter(results.values()))["params"]
-    print_table(f"SFT step, {params / 1e9:.2f} B parameters, {args.tokens} tokens", ["system", "step s", "peak RSS GiB",
-                                                                                    "step / float32", "RSS / float32"], rows)
+    print_table(f"training step, {params / 1e9:.2f} B parameters, {args.tokens} tokens", ["system", "step s", "peak RSS GiB", "plan GiB",
+                                                                                    "plan error", "step / float32",
+                                                                                    "RSS / float32"], rows)
     half = results.get("bfloat16")
     ratio = half["median_step_s"] / base["median_step_s"] if half and base else None
     lora = results.get("bfloat16+lora16")
     peak = lora["peak_rss_gib"] / base["peak_rss_gib"] if lora and base else None
     targets = [target("bf16 step time / float32's", ratio, "<= 0.8", ratio is not None and ratio <= 0.8),
                target("bf16 + LoRA rank 16 peak RSS / float32's", peak, "<= 0.4", peak is not None and peak <= 0.4)]
+    sft_runs = [r for n, r in results.items() if not n.startswith("rl-")]
+    worst = max((abs(r["plan_gib"] / r["peak_rss_gib"] - 1) for r in sft_runs), default=None)
+    targets.append(target("memory plan's largest |plan / peak RSS − 1| over the SFT systems", worst, "<= 0.15",
+                          worst is not None and worst <= 0.15))
     print_targets(targets)
 
     def plot(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
         names = list(results)
         a.bar(names, [results[n]["median_step_s"] for n in names])
-        a.set_ylabel("median SFT step (s)")
+        a.set_ylabel("median step (s)")
         b.bar(names, [results[n]["peak_rss_gib"] for n in names])
         b.set_ylabel("peak RSS (GiB)")
         return fig

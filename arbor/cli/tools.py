@@ -59,7 +59,7 @@ def add_launch(sub) -> None:
 
 
 def add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="RoutePack planner tools (arbor.plan)")
+    p = sub.add_parser("plan", help="plans before running: a job's memory (memory), RoutePack's cost model (calibrate)")
     plan = p.add_subparsers(dest="plan", required=True)
     c = plan.add_parser("calibrate", help="measure this machine and fit the planner's cost model (JSON)")
     c.add_argument("--model", help="HF folder of the MoE model to measure (default: the bench ep shape)")
@@ -124,6 +124,33 @@ def add_plan(sub) -> None:
         print(f"wrote {path}")
 
     c.set_defaults(func=run)
+
+    m = plan.add_parser("memory", help="the memory plan of a training job, per rank, without running it")
+    m.add_argument("model", help="a model folder (or LoRA adapter folder) or a preset name")
+    m.add_argument("overrides", nargs="*", help="the job's key=value settings, e.g. dtype=bfloat16 lora.rank=16")
+    m.add_argument("--job", choices=["train", "sft"], default="train", help="whose keys the overrides are (default train)")
+    m.add_argument("--ranks", type=int, default=1, help="ranks of the job (arbor launch -n N), all on this host")
+
+    def memory(a):
+        import json
+        import os
+
+        from arbor import configs
+        from arbor.train import memory_plan
+        if a.ranks < 1:
+            raise ValueError(f"--ranks must be ≥ 1, got {a.ranks}")
+        os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = str(a.ranks), str(a.ranks)
+        if a.job == "sft":
+            from arbor.train.sft import SFTRunConfig
+            cfg = configs.load(SFTRunConfig, None, [f"model={json.dumps(a.model)}", *a.overrides])
+            inp = memory_plan.from_sft(cfg)
+        else:
+            from arbor.train.config import RLConfig
+            cfg = configs.load(RLConfig, None, [f"model={json.dumps(a.model)}", *a.overrides])
+            inp = memory_plan.from_rl(cfg)
+        memory_plan.check(inp, f"arbor {a.job}", enforce=False)
+
+    m.set_defaults(func=memory, trailing_words="overrides")
 
 
 def add_export(sub) -> None:

@@ -4,7 +4,8 @@
 ``MASTER_ADDR``, ``MASTER_PORT``; ``arbor launch`` sets the same) and creates, in this order on every
 rank: the default group (backend ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA), a gloo ``control``
 group for small messages, the expert-parallel groups (``ep_size`` consecutive ranks each) and the
-expert-replica groups (ranks holding the same experts: ``world_size / ep_size`` of them). Without
+expert-replica groups (ranks holding the same experts: ``world_size / ep_size`` of them), the P/D phase
+groups (``phase_groups``) and, with ``fsdp``, a group of all ranks for FSDP2's collectives alone. Without
 those variables, or with ``WORLD_SIZE=1``, it returns ``DistContext.single()``: no groups, and every
 collective helper is the identity.
 
@@ -34,6 +35,7 @@ class DistConfig:
     ep_size: int = 0           # ranks that split each MoE layer's experts (0: all ranks for an MoE model, else 1)
     timeout_s: float = 60.0    # a collective that waits longer fails on every surviving rank
     phase_groups: bool = False # P/D multiplexing: prefill and decode get private expert-parallel groups
+    fsdp: bool = False         # `arbor sft`: shard replicated parameters, gradients and AdamW moments over ranks (FSDP2)
 
     def validate(self) -> None:
         if self.ep_size < 0:
@@ -61,6 +63,7 @@ class DistContext:
     peers: list = field(default_factory=list)   # (host, pid) per rank
     phase_groups: dict = field(default_factory=dict)   # phase name → its private EP group (P/D multiplexing)
     queue: object = None            # a DeviceQueue every collective runs through (in-order, like a stream)
+    fsdp_group: object = None       # dist.fsdp: all ranks, for FSDP2's all-gathers and reduce-scatters only
 
     def ep_group_for(self, phase: str):
         """The EP group a phase's exchanges use: its private one if it has one, else the shared one."""
@@ -77,6 +80,11 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Replicated parameters are sharded over the ranks (``dist.fsdp``; ``arbor.train.fsdp``)."""
+        return self.fsdp_group is not None
 
     @property
     def ep_rank(self) -> int:
@@ -190,6 +198,9 @@ def init_distributed(cfg: DistConfig | None = None, num_experts: int = 0, device
     cfg = cfg or DistConfig()
     tune_allocator()
     world = env_world_size()
+    if cfg.fsdp and world <= 1:
+        raise ValueError("dist.fsdp=true shards parameters over ranks and needs ≥ 2 ranks (arbor launch -n N …); "
+                         "this run has 1 — launch it on several ranks or set dist.fsdp=false")
     if world <= 1:
         ctx = DistContext.single()
         ctx.ep_size = resolve_ep_size(cfg, 1, num_experts)
@@ -226,6 +237,8 @@ def init_distributed(cfg: DistConfig | None = None, num_experts: int = 0, device
                 g = dist.new_group(list(range(start, start + ep)), timeout=timeout)
                 if start <= rank < start + ep:
                     ctx.phase_groups[phase] = g
+        if cfg.fsdp:
+            ctx.fsdp_group = dist.new_group(list(range(world)), timeout=timeout)
     ctx.peers = ctx.all_gather_object((socket.gethostname(), os.getpid()), "peer table")
     return ctx
 

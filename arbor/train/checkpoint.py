@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from arbor.distributed import DistContext
+from arbor.train.fsdp import full_hf_tensors, is_fsdp, load_full_weights, local_optimizer_state, sharded_optimizer_state
 
 RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every", "device", "eval_every", "eval_problems", "resume", "out",
-                     "timeout_s", "log", "eval")   # "eval": the eval section and data.eval
+                     "timeout_s", "log", "eval", "memory_check")   # "eval": the eval section and data.eval
 
 
 def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=None) -> None:
@@ -43,13 +44,16 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
     per-layer expert placement is saved with each rank's state and re-applied by ``load_state``
     before the weights and the optimizer's slot-indexed moments are loaded (a migrated placement
     resumes as it was). A model with LoRA adapters saves (and resumes) the adapters alone, as a PEFT
-    folder over its base."""
+    folder over its base. A sharded model (``dist.fsdp``) is written whole (its shards all-gathered), and
+    each ``rank{r}.pt`` holds that rank's shards of the AdamW moments as plain tensors."""
     from arbor.models import save_model
     from arbor.models.lora import has_lora
     folder, ctx = Path(folder), ctx or DistContext.single()
     tmp = _tmp(folder)
-    tensors, lora = None, has_lora(model)
-    if ctx.ep_size > 1 and not lora:
+    tensors, lora, sharded = None, has_lora(model), is_fsdp(model)
+    if sharded:
+        tensors = full_hf_tensors(model, ctx)
+    elif ctx.ep_size > 1 and not lora:
         from arbor.models.checkpoint import gather_hf_tensors
         tensors = gather_hf_tensors(model, ctx)
     if ctx.is_main:
@@ -61,7 +65,8 @@ def save_state(folder: Path, model, optimizer, state: dict, tokenizer=None, ctx=
         else:
             save_model(model, tmp / "model", tokenizer=tokenizer, tensors=tensors)
     ctx.barrier("checkpoint: model written")
-    mine = {"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+    optim = optimizer.state_dict()
+    mine = {"optimizer": local_optimizer_state(optim) if sharded else optim, "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, **state}
     placements = _placements(model)
     if placements:                    # expert slots (and the optimizer's slot-indexed moments) follow these
@@ -166,9 +171,13 @@ def load_state(folder: Path, model, optimizer, settings: dict, ctx=None) -> dict
     if bad is not None:
         raise ValueError(f"{folder / 'model'}: tensor '{bad}' holds NaN or inf values; this checkpoint cannot be "
                          f"resumed — delete {folder} (or restore an earlier one) to start over")
-    if not has_lora(model):
+    optim = state.pop("optimizer")
+    if is_fsdp(model):                # full weights: each rank keeps its rows; moments: this rank's shards
+        load_full_weights(model, weights)
+        optim = sharded_optimizer_state(optim, optimizer)
+    elif not has_lora(model):
         model.load_state_dict(weights)
-    optimizer.load_state_dict(state.pop("optimizer"))
+    optimizer.load_state_dict(optim)
     torch.set_rng_state(state.pop("torch_rng"))
     cuda_rng = state.pop("cuda_rng")
     if cuda_rng is not None and torch.cuda.is_available():

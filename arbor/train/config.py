@@ -128,6 +128,7 @@ class RLConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
     dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.dllm.ebpo_trainer)
+    memory_check: bool = True    # print the memory plan and stop (exit 2) before step one when it does not fit
 
     RENAMED_KEYS = RENAMED_KEYS
 

@@ -41,11 +41,16 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW; PyTorch's fused kernel (one pass over all parameters instead of a loop over tensors)
-    when every parameter is a floating tensor on one CPU or CUDA device."""
+    when every parameter is a floating tensor on one CPU or CUDA device. FSDP's sharded parameters
+    (DTensors) and plain ones (experts under EP) go in two parameter groups: one fused call each."""
+    from arbor.train.fsdp import is_sharded
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) \
         and len({p.device for p in params}) == 1
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+    sharded = [p for p in params if is_sharded(p)]
+    groups = params if len(sharded) in (0, len(params)) else \
+        [{"params": sharded}, {"params": [p for p in params if not is_sharded(p)]}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                              fused=fused or None)
 
 

@@ -55,6 +55,9 @@ from arbor.train.run_log import RunLog
 class RLTrainer(PolicyUpdate):
     def __init__(self, cfg: RLConfig, model, tokenizer, engine, sampling_factory, task, ctx=None):
         self.ctx = ctx or DistContext.single()
+        if self.ctx.fsdp or cfg.dist.fsdp:
+            from arbor.train.fsdp import TRAIN_REFUSAL, refuse
+            raise refuse(TRAIN_REFUSAL)
         self.overlap = cfg.rollout.overlap
         if self.overlap:
             if self.ctx.distributed:

@@ -111,6 +111,14 @@ def train(cfg, build=build_trainer) -> list[dict]:
     """``arbor train`` in this process: ``build(cfg)`` the trainer (``build_trainer``, or the model
     family's: ``arbor.families``) and run it (``run`` logs every step through ``RunLog``:
     OUT/metrics.jsonl, TensorBoard, W&B, progress bar), plot the rewards, save OUT/final."""
+    if cfg.dist.fsdp:                    # refused before any rank starts work (arbor.train.fsdp)
+        from arbor.train.fsdp import TRAIN_REFUSAL, refuse
+        raise refuse(TRAIN_REFUSAL)
+    if build is build_trainer:           # an autoregressive model: the memory plan first (arbor.train.memory_plan)
+        import os
+
+        from arbor.train.memory_plan import check as check_memory, from_rl
+        check_memory(from_rl(cfg), "arbor train", enforce=cfg.memory_check, show=os.environ.get("RANK", "0") == "0")
     trainer = build(cfg)
     history = asyncio.run(trainer.run())
     if trainer.ctx.is_main:

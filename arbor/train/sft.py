@@ -9,7 +9,9 @@ batch's tokens. ``arbor sft`` checkpoints every ``checkpoint_every`` steps and r
 
 On several ranks (``arbor launch -n N sft …``) every rank draws the same batch, runs its LPT share of
 the micro-batches (``arbor.train.distributed``) and the gradients are summed over ranks, so the
-weights equal one process's on the same batches (up to float summation order).
+weights equal one process's on the same batches (up to float summation order). With ``dist.fsdp=true``
+the model is sharded first (``arbor.train.fsdp``): each rank then holds 1/N of every replicated
+parameter, gradient and AdamW moment, and the weights still equal one process's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from arbor.plan.packing import first_fit_decreasing
 from arbor.train.logprobs import packed_logprobs
 from arbor.distributed import DistConfig, DistContext
 from arbor.train.distributed import run_idle_passes, set_recompute
+from arbor.train.fsdp import full_hf_tensors, is_fsdp, shard_model
 from arbor.train.checkpoint import settings_of
 from arbor.train.loop import BatchTrainer
 from arbor.train.optim import OptimConfig
@@ -76,6 +79,8 @@ def sft(model, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, on_l
     ctx = ctx or DistContext.single()
     check_dtype(cfg.dtype, model.device)
     set_recompute(model, cfg.recompute)
+    if ctx.fsdp and not is_fsdp(model):
+        shard_model(model, ctx)
     aux_coef = cfg.moe_aux_coef if model.config.moe_layers else 0.0
 
     def step(rng) -> dict:
@@ -127,10 +132,14 @@ class SFTRunConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)   # lora.rank=16: train adapters only; OUT is then a PEFT adapter folder
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
+    memory_check: bool = True      # print the memory plan and stop (exit 2) before step one when it does not fit
 
     def validate(self) -> None:
         if self.demos < 1:
             raise ValueError(f"demos must be ≥ 1, got {self.demos}")
+        if self.dist.fsdp and self.lora.enabled:
+            from arbor.train.fsdp import refuse
+            raise refuse("with LoRA (lora.rank > 0) only the adapters train, and their optimizer state is small")
         try:
             check_dtype(self.train.dtype, self.device)
         except ValueError as e:
@@ -166,6 +175,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     ``until(model, tokenizer, step) -> bool`` may end training early (see ``sft``). Under ``arbor
     launch`` / torchrun the ranks split each batch (experts over ``dist.ep_size`` ranks for an MoE
     model) and rank 0 writes the one HF folder."""
+    import os
     from pathlib import Path
 
     from arbor.distributed import init_distributed
@@ -176,6 +186,8 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     from arbor.models.presets import PRESETS, preset_config
     from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
 
+    from arbor.train.memory_plan import check as check_memory, from_sft
+    check_memory(from_sft(cfg), "arbor sft", enforce=cfg.memory_check, show=os.environ.get("RANK", "0") == "0")
     torch.manual_seed(cfg.train.seed)
     if cfg.model in PRESETS:
         tok = builtin_tokenizer()
@@ -196,7 +208,8 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     stop = None if until is None else (lambda step: until(model, tok, step))
     run_log = RunLog(cfg.out, cfg, cfg.train.steps, cfg.log, enabled=ctx.is_main, name="sft")
     history = sft(model, examples, cfg.train, on_log, stop, Path(cfg.out) / "checkpoint", settings_of(cfg), ctx, run_log)
-    tensors = gather_hf_tensors(model, ctx) if ctx.ep_size > 1 and not cfg.lora.enabled else None
+    tensors = full_hf_tensors(model, ctx) if ctx.fsdp else \
+        gather_hf_tensors(model, ctx) if ctx.ep_size > 1 and not cfg.lora.enabled else None
     if ctx.is_main and cfg.lora.enabled:
         save_adapter_folder(model, cfg.out, tok)
     elif ctx.is_main:

@@ -1,0 +1,276 @@
+"""The memory plan of a training job, before step one (``arbor sft`` / ``arbor train`` preflight,
+``arbor plan memory``).
+
+Per rank, in bytes (P: parameters of the model, P_t of them trained, P_e expert parameters; E ranks
+of expert parallelism hold P_e / E each; with FSDP, N data-parallel ranks split what is sharded):
+
+- weights: frozen × bytes(base dtype: the training dtype with LoRA and 16-bit ``dtype``, else float32)
+  + trained × 4 (float32 master weights; ÷ N with FSDP);
+- gradients: P_t × 4; optimizer state (AdamW's two moments): P_t × 8 (each ÷ N with FSDP);
+- autocast copies: with bf16/fp16 autocast on float32 weights, the 16-bit casts of the linear weights
+  live through the forward: P_linear × 2;
+- activations of the largest micro-batch of T tokens: T × a, with a the bytes autograd saves per
+  token, measured on the model's own first ≤ 4 layers (random weights, its real widths, a 256-word
+  vocabulary) as (saved(64 tokens) − saved(32 tokens)) / 32, scaled to all layers. With ``recompute``
+  the stored part is the checkpointed layer inputs, plus one layer's activations rebuilt in backward;
+- the log-prob head (``head_bytes``): what ``arbor.train.logprobs.gather_logprobs`` holds at its
+  peak for T rows of a V-word vocabulary;
+- the rollout engine (``arbor train``): its weights when it keeps its own copy, and its KV pool
+  (``engine.num_blocks`` × the bytes of one block, or the pool its config resolves to);
+- the reference model of a KL penalty: a copy of the weights;
+- on CPU, the process's own memory before the model (Python, torch, the libraries).
+
+The sum is compared with what the device has free (CPU: ``MemAvailable``, shared by the ranks of
+this host; CUDA: free device memory). Checked against measured peak RSS in
+``arbor bench train-memory`` (its ``plan`` column).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+PROBE_TOKENS = (32, 64)
+PROBE_VOCAB = 256
+
+
+class MemoryPlanError(ValueError):
+    """The plan exceeds the device's free memory; the message names the largest items and their knobs."""
+
+
+@dataclass
+class PlanInputs:
+    """What the plan reads from a job's config (``from_sft`` / ``from_rl``)."""
+    model: object                  # ModelConfig
+    dtype: str                     # the training compute dtype (float32 | bfloat16 | float16)
+    lora_rank: int
+    lora_targets: list[str]
+    tokens: int                    # tokens of the largest micro-batch
+    recompute: bool
+    device: str = "cpu"
+    world_size: int = 1
+    local_ranks: int = 1           # ranks sharing this host's memory (CPU)
+    ep_size: int = 1
+    fsdp: bool = False
+    engine: object | None = None   # EngineConfig of the colocated engine (arbor train)
+    engine_shares: bool = False    # the engine serves the trainer's own tensors
+    reference: bool = False        # a KL reference model is kept
+    keys: dict = dataclasses.field(default_factory=dict)   # knob → the job's config key (train.dtype vs dtype)
+
+
+def _layers(mcfg, k: int, vocab: int):
+    return dataclasses.replace(mcfg, num_hidden_layers=k, layer_types=list(mcfg.layer_types[:k]), vocab_size=vocab,
+                               mlp_only_layers=[i for i in mcfg.mlp_only_layers if i < k],
+                               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def parameter_counts(mcfg, lora_rank: int, targets: list[str]) -> dict[str, int]:
+    """{"total", "trained", "expert", "linear"} parameter counts, from the model built on the meta device."""
+    from arbor.models import CausalLM
+    from arbor.models.expert_parallel import is_expert_param
+    from arbor.models.lora import LoRAConfig, apply_lora
+    with torch.device("meta"):
+        model = CausalLM(mcfg)
+        if lora_rank:
+            apply_lora(model, LoRAConfig(rank=lora_rank, targets=list(targets)))
+    params = dict(model.named_parameters(remove_duplicate=True))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                 and m.weight is not model.model.embed_tokens.weight)
+    return {"total": sum(p.numel() for p in params.values()),
+            "trained": sum(p.numel() for p in params.values() if p.requires_grad or not lora_rank),
+            "expert": sum(p.numel() for n, p in params.items() if is_expert_param(n)), "linear": linear}
+
+
+def _saved_bytes(model, tokens: int, dtype: str) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward of ``tokens`` tokens
+    (parameters excluded)."""
+    from arbor.models import VarlenAttention
+    from arbor.train.precision import autocast
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    ids = torch.randint(0, PROBE_VOCAB, (tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(dtype, "cpu"):
+        model(ids, VarlenAttention.from_lengths([tokens])).hidden.float().sum()
+    return sum(seen.values())
+
+
+def activation_bytes_per_token(inp: PlanInputs) -> tuple[float, float]:
+    """(bytes stored per token for backward over all layers, bytes of one layer's activations per
+    token — rebuilt in backward under ``recompute``), measured as the module docstring says."""
+    from arbor.models import CausalLM
+    from arbor.models.lora import LoRAConfig, apply_lora
+    mcfg = inp.model
+    k = min(mcfg.num_hidden_layers, 4)
+    torch.manual_seed(0)
+    probe = CausalLM(_layers(mcfg, k, PROBE_VOCAB))
+    if inp.lora_rank:
+        apply_lora(probe, LoRAConfig(rank=inp.lora_rank, targets=list(inp.lora_targets)), base_dtype=_base_dtype(inp))
+    per = {}
+    for recompute in (False, True):
+        probe.gradient_checkpointing = recompute
+        a, b = (_saved_bytes(probe, t, inp.dtype) for t in PROBE_TOKENS)
+        per[recompute] = (b - a) / (PROBE_TOKENS[1] - PROBE_TOKENS[0]) * mcfg.num_hidden_layers / k
+    one_layer = per[False] / mcfg.num_hidden_layers
+    return (per[True], one_layer) if inp.recompute else (per[False], 0.0)
+
+
+def _base_dtype(inp: PlanInputs):
+    return getattr(torch, inp.dtype) if inp.lora_rank and inp.dtype in ("bfloat16", "float16") else None
+
+
+def head_bytes(rows: int, vocab: int, dtype: torch.dtype) -> int:
+    """Peak bytes of ``gather_logprobs`` over ``rows`` rows: the [rows, V] logits (in the compute
+    dtype), their float32 copy when that is 16-bit, the float32 log-softmax autograd saves, and in
+    backward its gradient and the gradient of the logits."""
+    a = torch.finfo(dtype).bits // 8
+    return rows * vocab * (a + (4 if a < 4 else 0) + 4 + 4 + 4)
+
+
+def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
+    """[(item, bytes per rank, the knobs that shrink it)] (module docstring)."""
+    k = inp.keys
+    runtime = _own_rss() if torch.device(inp.device).type == "cpu" else 0     # before the probes below
+    n = inp.world_size if inp.fsdp else 1
+    counts = parameter_counts(inp.model, inp.lora_rank, inp.lora_targets)
+    ep_share = counts["expert"] * (1 - 1 / max(1, inp.ep_size))
+    total, trained = counts["total"] - ep_share, counts["trained"] - (0 if inp.lora_rank else ep_share)
+    base = _base_dtype(inp)
+    frozen_bytes = (total - trained) * (torch.finfo(base).bits // 8 if base else 4)
+    lora_knob = f"{k.get('lora', 'lora.rank')}=16"
+    items = [("weights", int(frozen_bytes + trained * 4 / n), f"{k.get('dtype', 'dtype')}=bfloat16 with {lora_knob}"),
+             ("gradients", int(trained * 4 / n), f"{lora_knob}, dist.fsdp=true on more ranks"),
+             ("optimizer state (AdamW)", int(trained * 8 / n), f"{lora_knob}, dist.fsdp=true on more ranks")]
+    if inp.dtype != "float32" and not base:
+        items.append(("autocast weight copies", int(counts["linear"] * 2), f"{lora_knob}"))
+    stored, rebuilt = activation_bytes_per_token(inp)
+    items.append((f"activations ({inp.tokens} tokens{', recompute' if inp.recompute else ''})",
+                  int(inp.tokens * (stored + rebuilt)), f"recompute=true, a smaller {k.get('tokens', 'tree.token_cap')}"))
+    head_dtype = torch.float32 if inp.dtype == "float32" else getattr(torch, inp.dtype)
+    items.append(("log-prob head", int(head_bytes(inp.tokens, inp.model.vocab_size, head_dtype)),
+                  f"a smaller {k.get('tokens', 'tree.token_cap')}"))
+    if inp.engine is not None:
+        from arbor.engine.kv.paged import KVCache
+        e, mc = inp.engine, inp.model
+        if not inp.engine_shares:
+            items.append(("engine weights", int(total * torch.finfo(e.torch_dtype).bits // 8),
+                          "engine.dtype=bfloat16"))
+        n_attn = sum(t == "full_attention" for t in mc.layer_types)
+        per_block = KVCache.bytes_per_block(n_attn, e.block_size, mc.num_key_value_heads, mc.head_dim, e.torch_dtype)
+        blocks = e.num_blocks if e.num_blocks is not None else min(
+            e.max_num_seqs * -(-e.max_model_len // e.block_size), e.kv_cache_bytes // max(1, per_block))
+        items.append(("engine KV cache", int(blocks * per_block), "engine.num_blocks, engine.kv_cache_bytes"))
+    if inp.reference:
+        items.append(("KL reference model", int(total * (torch.finfo(base).bits // 8 if base else 4)),
+                      "loss.kl_coef=0"))
+    if runtime:
+        items.append(("process (Python, torch, libraries)", runtime, ""))
+    return items
+
+
+def _own_rss() -> int:
+    """This process's resident memory now (before the model is built, it is the runtime's share)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return kb * 1024
+    except (OSError, StopIteration):
+        return 0
+
+
+def available_bytes(device: str) -> int:
+    """Free memory of ``device``: CUDA free device memory, or the host's MemAvailable."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def render(inp: PlanInputs, items, available: int) -> str:
+    total = sum(b for _, b, _ in items)
+    host = inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
+    width = max(len(name) for name, _, _ in items)
+    lines = [f"memory plan per rank ({inp.world_size} rank(s), {inp.dtype}"
+             f"{f', LoRA rank {inp.lora_rank}' if inp.lora_rank else ''}, {inp.device}):"]
+    lines += [f"  {name.ljust(width)}  {b / GIB:8.2f} GiB   {knob}" for name, b, knob in items]
+    lines.append(f"  {'total'.ljust(width)}  {total / GIB:8.2f} GiB" + (f"  × {host} ranks on this host" if host > 1 else ""))
+    lines.append(f"  {'free on ' + inp.device.split(':')[0]:{width}}  {available / GIB:8.2f} GiB   "
+                 f"{'fits' if total * host <= available else 'DOES NOT FIT'}")
+    return "\n".join(lines)
+
+
+def check(inp: PlanInputs, job: str, enforce: bool = True, show: bool = True) -> list:
+    """Print the plan (``show``) and raise ``MemoryPlanError`` naming the largest items and their knobs
+    when it exceeds the free memory (``enforce``). → the items."""
+    items = plan(inp)
+    available = available_bytes(inp.device)
+    if show:
+        print(render(inp, items, available), flush=True)
+    host = inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
+    need = sum(b for _, b, _ in items) * host
+    if enforce and need > available:
+        top = sorted(items, key=lambda it: -it[1])[:3]
+        raise MemoryPlanError(
+            f"{job} would need {need / GIB:.1f} GiB and {available / GIB:.1f} GiB are free, so it stops before step one. "
+            "Largest: " + "; ".join(f"{n} {b / GIB:.1f} GiB ({knob})" if knob else f"{n} {b / GIB:.1f} GiB"
+                                   for n, b, knob in top)
+            + f". Set memory_check=false to run anyway (`arbor plan memory` prints the plan of any settings)")
+    return items
+
+
+def _model_config(model: str):
+    from arbor.models import ModelConfig
+    from arbor.models.presets import PRESETS, preset_config
+    if model in PRESETS:
+        from arbor.models.tokenizer import builtin_tokenizer
+        return preset_config(model, builtin_tokenizer())
+    return ModelConfig.from_file(model)
+
+
+def _ranks() -> tuple[int, int]:
+    """(world size, ranks on this host) of the launched job (1, 1 outside ``arbor launch``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def from_sft(cfg) -> PlanInputs:
+    """The plan's inputs of an ``arbor sft`` config (``SFTRunConfig``)."""
+    world, local = _ranks()
+    t = cfg.train
+    tokens = min(t.tree.token_cap, t.batch_tokens) if t.tree.token_cap else t.batch_tokens
+    return PlanInputs(model=_model_config(cfg.model), dtype=t.dtype, lora_rank=cfg.lora.rank,
+                      lora_targets=list(cfg.lora.targets), tokens=tokens, recompute=t.recompute, device=cfg.device,
+                      world_size=world, local_ranks=local, ep_size=_ep(cfg, world), fsdp=getattr(cfg.dist, "fsdp", False),
+                      keys={"dtype": "train.dtype", "tokens": "train.tree.token_cap", "recompute": "train.recompute"})
+
+
+def from_rl(cfg) -> PlanInputs:
+    """The plan's inputs of an ``arbor train`` config (``RLConfig``): the trainer plus its colocated engine."""
+    from arbor.train.config import engine_config
+    world, local = _ranks()
+    e = engine_config(cfg)
+    mcfg = _model_config(cfg.model)
+    shares = not cfg.lora.enabled and e.share_weights and e.dtype == "float32" and cfg.dtype == "float32"
+    tokens = cfg.tree.token_cap if cfg.tree.enabled and cfg.tree.token_cap else cfg.rollout.max_context
+    return PlanInputs(model=mcfg, dtype=cfg.dtype, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.targets),
+                      tokens=tokens, recompute=cfg.recompute, device=cfg.device, world_size=world, local_ranks=local,
+                      ep_size=_ep(cfg, world), fsdp=getattr(cfg.dist, "fsdp", False), engine=e, engine_shares=shares,
+                      reference=cfg.loss.kl_coef > 0)
+
+
+def _ep(cfg, world: int) -> int:
+    return (cfg.dist.ep_size or world) if _model_config(cfg.model).num_experts and world > 1 else 1

@@ -1,0 +1,50 @@
+"""The memory plan (``arbor.train.memory_plan``): what each knob changes, the CLI table, and a job that
+cannot fit stops before step one with exit 2, naming its largest items and their knobs."""
+
+import json
+
+from arbor.cli import main
+from arbor.models.lora import DEFAULT_TARGETS
+from arbor.models.presets import preset_config
+from arbor.models.tokenizer import builtin_tokenizer
+from arbor.train.memory_plan import PlanInputs, parameter_counts, plan
+
+
+def items(**kw) -> dict[str, int]:
+    base = dict(model=preset_config("tiny", builtin_tokenizer()), dtype="float32", lora_rank=0,
+                lora_targets=DEFAULT_TARGETS, tokens=512, recompute=False, device="cpu")
+    return {name.split(" (")[0]: b for name, b, _ in plan(PlanInputs(**(base | kw)))}
+
+
+def test_each_knob_shrinks_its_items():
+    full, lora = items(), items(lora_rank=4, dtype="bfloat16")
+    counts = parameter_counts(preset_config("tiny", builtin_tokenizer()), 4, DEFAULT_TARGETS)
+    whole = parameter_counts(preset_config("tiny", builtin_tokenizer()), 0, DEFAULT_TARGETS)["total"]
+    assert full["optimizer state"] == 8 * whole and lora["optimizer state"] == 8 * counts["trained"]
+    assert lora["gradients"] == 4 * counts["trained"] < full["gradients"] / 10
+    assert lora["weights"] == 2 * whole + 4 * counts["trained"] and full["weights"] == 4 * whole   # the frozen base in bf16
+    assert items(world_size=2, fsdp=True)["optimizer state"] == full["optimizer state"] // 2
+    assert items(recompute=True)["activations"] < full["activations"] / 2
+    assert abs(items(tokens=1024)["activations"] - 2 * full["activations"]) <= 2     # linear in tokens
+    assert "autocast weight copies" in items(dtype="bfloat16") and "autocast weight copies" not in full
+
+
+def test_plan_memory_prints_the_table(capsys):
+    assert main(["plan", "memory", "tiny", "lora.rank=4", "dtype=bfloat16", "rollout.max_context=256"]) == 0
+    out = capsys.readouterr().out
+    for row in ("weights", "optimizer state", "activations", "log-prob head", "engine KV cache", "total", "free on cpu"):
+        assert row in out, row
+    assert "LoRA rank 4" in out and "fits" in out
+
+
+def test_a_job_that_cannot_fit_stops_before_step_one(tmp_path, capsys):
+    """A 2.6 B-parameter model (a 20 M-word vocabulary on hidden 128): its float32 AdamW state alone is
+    ~31 GiB and its log-prob head terabytes, more than any test machine has. Only config.json exists:
+    the plan runs before any weights or data are read."""
+    cfg = preset_config("tiny", builtin_tokenizer()).to_hf() | {"vocab_size": 20_000_000, "architectures": ["Qwen3ForCausalLM"]}
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(cfg))
+    assert main(["sft", f"model={tmp_path / 'big'}", f"out={tmp_path / 'out'}", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "stops before step one" in err and "optimizer state" in err and "lora.rank" in err and "memory_check=false" in err
+    assert not (tmp_path / "out").exists()
