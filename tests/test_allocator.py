@@ -51,3 +51,11 @@ def test_a_bad_arbor_malloc_value_is_refused_naming_the_choices():
     out = run("", "fast", "-m", "arbor", "generate", "no-such-model", "hi")
     assert out.returncode == 2
     assert "ARBOR_MALLOC='fast'" in out.stderr and "tuned" in out.stderr and "system" in out.stderr
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+def test_lean_allocator_returns_every_freed_block_at_once():
+    """ARBOR_MALLOC=lean: each 8 MiB block is its own mapping, unmapped when freed (resident memory is
+    the live blocks only), so every step faults its 96 MiB in again, as glibc's defaults do here."""
+    lean = run(STEPS, "lean").stdout.split()
+    assert lean[0] == "True" and int(lean[1]) > 10 * 20000

@@ -12,13 +12,18 @@ def test_bench_train_memory_smoke(tmp_path):
                  "--steps", "2"]) in (0, None)
     r = json.loads((tmp_path / "train-memory.json").read_text())
     res = r["results"]
-    assert (tmp_path / "train-memory.png").exists() and set(res) == {"float32", "bfloat16", "bfloat16+lora16"}
+    systems = ("float32", "bfloat16", "bfloat16+lora16")
+    assert (tmp_path / "train-memory.png").exists()
+    assert set(res) == {f"{s} [{m}]" for s in systems for m in ("tuned", "lean")}
     for one in res.values():
         assert len(one["step_s"]) == 2 and one["peak_rss_gib"] > 0 and len(one["loss"]) == 2
-    assert res["bfloat16"]["trainable"] == res["float32"]["trainable"] > 2 * res["bfloat16+lora16"]["trainable"]
-    speed, lora, planned = r["targets"]
-    assert planned["value"] == max(abs(x["plan_gib"] / x["peak_rss_gib"] - 1) for x in res.values())   # SFT systems only
-    assert speed["value"] == res["bfloat16"]["median_step_s"] / res["float32"]["median_step_s"]
+    tuned = {s: res[f"{s} [tuned]"] for s in systems}
+    assert tuned["bfloat16"]["trainable"] == tuned["float32"]["trainable"] > 2 * tuned["bfloat16+lora16"]["trainable"]
+    speed, lora_tuned, lora_lean, planned = r["targets"]
+    assert speed["value"] == tuned["bfloat16"]["median_step_s"] / tuned["float32"]["median_step_s"]
     assert speed["met"] == (speed["value"] <= 0.8)
-    assert lora["value"] == res["bfloat16+lora16"]["peak_rss_gib"] / res["float32"]["peak_rss_gib"]
-    assert lora["met"] == (lora["value"] <= 0.4)
+    assert lora_tuned["value"] == tuned["bfloat16+lora16"]["peak_rss_gib"] / tuned["float32"]["peak_rss_gib"]
+    assert lora_lean["value"] == res["bfloat16+lora16 [lean]"]["peak_rss_gib"] / res["float32 [lean]"]["peak_rss_gib"]
+    assert lora_tuned["met"] == (lora_tuned["value"] <= 0.4) and lora_lean["met"] == (lora_lean["value"] <= 0.4)
+    assert planned["value"] == max(abs(res[f"{s} [lean]"]["plan_gib"] / res[f"{s} [lean]"]["peak_rss_gib"] - 1)
+                                   for s in systems)

@@ -7,7 +7,7 @@ from arbor.cli import main
 from arbor.models.lora import DEFAULT_TARGETS
 from arbor.models.presets import preset_config
 from arbor.models.tokenizer import builtin_tokenizer
-from arbor.train.memory_plan import PlanInputs, parameter_counts, plan
+from arbor.train.memory_plan import PlanInputs, parameter_counts, peak_bytes, plan
 
 
 def items(**kw) -> dict[str, int]:
@@ -27,12 +27,17 @@ def test_each_knob_shrinks_its_items():
     assert items(recompute=True)["activations"] < full["activations"] / 2
     assert abs(items(tokens=1024)["activations"] - 2 * full["activations"]) <= 2     # linear in tokens
     assert "autocast weight copies" in items(dtype="bfloat16") and "autocast weight copies" not in full
+    rest = sum(b for k, b in full.items() if k not in ("activations", "log-prob head", "head gradient", "gradients"))
+    planned = plan(PlanInputs(model=preset_config("tiny", builtin_tokenizer()), dtype="float32", lora_rank=0,
+                              lora_targets=DEFAULT_TARGETS, tokens=512, recompute=False, device="cpu"))
+    assert peak_bytes(planned) == rest + max(full["activations"] + full["log-prob head"] + full["head gradient"],
+                                             full["gradients"])
 
 
 def test_plan_memory_prints_the_table(capsys):
     assert main(["plan", "memory", "tiny", "lora.rank=4", "dtype=bfloat16", "rollout.max_context=256"]) == 0
     out = capsys.readouterr().out
-    for row in ("weights", "optimizer state", "activations", "log-prob head", "engine KV cache", "total", "free on cpu"):
+    for row in ("weights", "optimizer state", "activations", "log-prob head", "engine KV cache", "peak", "free on cpu"):
         assert row in out, row
     assert "LoRA rank 4" in out and "fits" in out
 

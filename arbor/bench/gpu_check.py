@@ -48,8 +48,8 @@ def _peak_gib(device) -> float | None:
 
 
 def _plan_gib(inp) -> float:
-    from arbor.train.memory_plan import plan
-    return sum(b for name, b, _ in plan(inp) if not name.startswith("process")) / 2**30
+    from arbor.train.memory_plan import peak_bytes, plan
+    return peak_bytes([it for it in plan(inp) if not it[0].startswith("process")]) / 2**30
 
 
 def _hf_folder(folder: Path, small: bool) -> Path:

@@ -13,14 +13,14 @@ of expert parallelism hold P_e / E each; with FSDP, N data-parallel ranks split 
   token, measured on the model's own first ≤ 4 layers (random weights, its real widths, a 256-word
   vocabulary) as (saved(64 tokens) − saved(32 tokens)) / 32, scaled to all layers. With ``recompute``
   the stored part is the checkpointed layer inputs, plus one layer's activations rebuilt in backward;
-- the log-prob head (``head_bytes``): what ``arbor.train.logprobs.gather_logprobs`` holds at its
-  peak for T rows of a V-word vocabulary;
+- the log-prob head (``arbor.train.logprobs.head_bytes``): what ``gather_logprobs`` holds at its
+  peak for T rows of a V-word vocabulary (fused, or the plain path under top-p or an adapted lm_head);
 - the rollout engine (``arbor train``): its weights when it keeps its own copy, and its KV pool
   (``engine.num_blocks`` × the bytes of one block, or the pool its config resolves to);
 - the reference model of a KL penalty: a copy of the weights;
 - on CPU, the process's own memory before the model (Python, torch, the libraries).
 
-The sum is compared with what the device has free (CPU: ``MemAvailable``, shared by the ranks of
+The peak (``peak_bytes``: gradients and activations do not peak together) is compared with what the device has free (CPU: ``MemAvailable``, shared by the ranks of
 this host; CUDA: free device memory). Checked against measured peak RSS in
 ``arbor bench train-memory`` (its ``plan`` column).
 """
@@ -59,6 +59,7 @@ class PlanInputs:
     engine: object | None = None   # EngineConfig of the colocated engine (arbor train)
     engine_shares: bool = False    # the engine serves the trainer's own tensors
     reference: bool = False        # a KL reference model is kept
+    fused_head: bool = True        # the log-prob head runs fused (no top-k/top-p, lm_head not adapted)
     keys: dict = dataclasses.field(default_factory=dict)   # knob → the job's config key (train.dtype vs dtype)
 
 
@@ -129,16 +130,9 @@ def _base_dtype(inp: PlanInputs):
     return getattr(torch, inp.dtype) if inp.lora_rank and inp.dtype in ("bfloat16", "float16") else None
 
 
-def head_bytes(rows: int, vocab: int, dtype: torch.dtype) -> int:
-    """Peak bytes of ``gather_logprobs`` over ``rows`` rows: the [rows, V] logits (in the compute
-    dtype), their float32 copy when that is 16-bit, the float32 log-softmax autograd saves, and in
-    backward its gradient and the gradient of the logits."""
-    a = torch.finfo(dtype).bits // 8
-    return rows * vocab * (a + (4 if a < 4 else 0) + 4 + 4 + 4)
-
-
 def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
     """[(item, bytes per rank, the knobs that shrink it)] (module docstring)."""
+    from arbor.train.logprobs import head_bytes
     k = inp.keys
     runtime = _own_rss() if torch.device(inp.device).type == "cpu" else 0     # before the probes below
     n = inp.world_size if inp.fsdp else 1
@@ -156,8 +150,12 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
     stored, rebuilt = activation_bytes_per_token(inp)
     items.append((f"activations ({inp.tokens} tokens{', recompute' if inp.recompute else ''})",
                   int(inp.tokens * (stored + rebuilt)), f"recompute=true, a smaller {k.get('tokens', 'tree.token_cap')}"))
+    if not inp.lora_rank or "lm_head" in inp.lora_targets:     # the head's weight gets its gradient first
+        head = inp.model.vocab_size * inp.model.hidden_size
+        items.append(("head gradient (part of the gradients)", int(head * 4 / n), ""))
     head_dtype = torch.float32 if inp.dtype == "float32" else getattr(torch, inp.dtype)
-    items.append(("log-prob head", int(head_bytes(inp.tokens, inp.model.vocab_size, head_dtype)),
+    items.append(("log-prob head", int(head_bytes(inp.tokens, inp.model.vocab_size, inp.model.hidden_size, head_dtype,
+                                                  inp.fused_head)),
                   f"a smaller {k.get('tokens', 'tree.token_cap')}"))
     if inp.engine is not None:
         from arbor.engine.kv.paged import KVCache
@@ -176,6 +174,18 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
     if runtime:
         items.append(("process (Python, torch, libraries)", runtime, ""))
     return items
+
+
+def peak_bytes(items) -> int:
+    """The plan's peak: every item at once, except that gradients and activations do not peak together —
+    a step's largest moment is the start of backward, when every activation is held and the only
+    gradient is the head's (``head gradient``); the other gradients are made as backward frees the
+    activations. Peak = the rest + max(activations + head + head gradient, gradients)."""
+    size = {name.split(" (")[0]: b for name, b, _ in items}
+    overlapping = ("activations", "log-prob head", "head gradient", "gradients")
+    rest = sum(b for name, b in size.items() if name not in overlapping)
+    return rest + max(size.get("activations", 0) + size.get("log-prob head", 0) + size.get("head gradient", 0),
+                      size.get("gradients", 0))
 
 
 def _own_rss() -> int:
@@ -201,13 +211,14 @@ def available_bytes(device: str) -> int:
 
 
 def render(inp: PlanInputs, items, available: int) -> str:
-    total = sum(b for _, b, _ in items)
+    total = peak_bytes(items)
     host = inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
     width = max(len(name) for name, _, _ in items)
     lines = [f"memory plan per rank ({inp.world_size} rank(s), {inp.dtype}"
              f"{f', LoRA rank {inp.lora_rank}' if inp.lora_rank else ''}, {inp.device}):"]
     lines += [f"  {name.ljust(width)}  {b / GIB:8.2f} GiB   {knob}" for name, b, knob in items]
-    lines.append(f"  {'total'.ljust(width)}  {total / GIB:8.2f} GiB" + (f"  × {host} ranks on this host" if host > 1 else ""))
+    lines.append(f"  {'peak'.ljust(width)}  {total / GIB:8.2f} GiB   (gradients and activations do not peak together)"
+                 + (f"  × {host} ranks on this host" if host > 1 else ""))
     lines.append(f"  {'free on ' + inp.device.split(':')[0]:{width}}  {available / GIB:8.2f} GiB   "
                  f"{'fits' if total * host <= available else 'DOES NOT FIT'}")
     return "\n".join(lines)
@@ -221,7 +232,7 @@ def check(inp: PlanInputs, job: str, enforce: bool = True, show: bool = True) ->
     if show:
         print(render(inp, items, available), flush=True)
     host = inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
-    need = sum(b for _, b, _ in items) * host
+    need = peak_bytes(items) * host
     if enforce and need > available:
         top = sorted(items, key=lambda it: -it[1])[:3]
         raise MemoryPlanError(
@@ -253,6 +264,7 @@ def from_sft(cfg) -> PlanInputs:
     t = cfg.train
     tokens = min(t.tree.token_cap, t.batch_tokens) if t.tree.token_cap else t.batch_tokens
     return PlanInputs(model=_model_config(cfg.model), dtype=t.dtype, lora_rank=cfg.lora.rank,
+                      fused_head=not (cfg.lora.rank and "lm_head" in cfg.lora.targets),
                       lora_targets=list(cfg.lora.targets), tokens=tokens, recompute=t.recompute, device=cfg.device,
                       world_size=world, local_ranks=local, ep_size=_ep(cfg, world), fsdp=getattr(cfg.dist, "fsdp", False),
                       keys={"dtype": "train.dtype", "tokens": "train.tree.token_cap", "recompute": "train.recompute"})
@@ -269,7 +281,8 @@ def from_rl(cfg) -> PlanInputs:
     return PlanInputs(model=mcfg, dtype=cfg.dtype, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.targets),
                       tokens=tokens, recompute=cfg.recompute, device=cfg.device, world_size=world, local_ranks=local,
                       ep_size=_ep(cfg, world), fsdp=getattr(cfg.dist, "fsdp", False), engine=e, engine_shares=shares,
-                      reference=cfg.loss.kl_coef > 0)
+                      reference=cfg.loss.kl_coef > 0,
+                      fused_head=cfg.rollout.top_p == 1 and not (cfg.lora.rank and "lm_head" in cfg.lora.targets))
 
 
 def _ep(cfg, world: int) -> int:
