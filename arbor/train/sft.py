@@ -197,7 +197,9 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
         shard_experts(model, ctx)
     else:
         ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
-        tok, model = Tokenizer.load(cfg.model), load_model(cfg.model, dtype=torch.float32, ctx=ctx)
+        frozen_16bit = cfg.lora.enabled and cfg.train.dtype in ("bfloat16", "float16")   # LoRA: the frozen base in it
+        tok = Tokenizer.load(cfg.model)
+        model = load_model(cfg.model, dtype=getattr(torch, cfg.train.dtype) if frozen_16bit else torch.float32, ctx=ctx)
     model.to(cfg.device)
     if cfg.lora.enabled:
         adapt(model, cfg.lora, cfg.train.dtype, cfg.model, cfg.out, tok, ctx)
