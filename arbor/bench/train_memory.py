@@ -13,8 +13,8 @@ activations, allocator slack; beside it the memory plan's total for the same set
 
 A system named `rl-DTYPE[+loraR]` runs `arbor train` steps instead (`build_trainer`: the colocated
 engine in DTYPE, LoRA merged into it at each sync): the built-in tokenizer's 104-word vocabulary,
-the arithmetic task, 2 groups × 4 samples of ≤ 64 new tokens, `tree.token_cap=2048`; its plan is
-that config's worst case (a full micro-batch), so it bounds the measured peak from above.
+the arithmetic task, 2 groups × 4 samples of ≤ 64 new tokens, `tree.token_cap=2048`; its plan takes
+a full micro-batch of `tree.token_cap` tokens (the config's worst case, more than these steps train).
 
 Each system runs under each allocator setting of `--malloc` (`ARBOR_MALLOC`,
 `arbor.kernels.allocator`): `tuned`, what every arbor command runs (freed blocks kept for reuse: the
