@@ -36,8 +36,12 @@ def test_each_knob_shrinks_its_items():
 
 
 def test_plan_memory_prints_the_table(capsys):
-    assert main(["plan", "memory", "tiny", "lora.rank=4", "dtype=bfloat16", "rollout.max_context=256"]) == 0
+    import os
+    env = dict(os.environ)
+    assert main(["plan", "memory", "tiny", "lora.rank=4", "dtype=bfloat16", "rollout.max_context=256", "--ranks", "2"]) == 0
+    assert dict(os.environ) == env                      # the rank count is the plan's, not the process's
     out = capsys.readouterr().out
+    assert "2 rank(s)" in out and "× 2 ranks on this host" in out
     for row in ("weights", "optimizer state", "activations", "log-prob head", "engine KV cache", "peak", "free on cpu"):
         assert row in out, row
     assert "LoRA rank 4" in out and "fits" in out

@@ -133,21 +133,19 @@ def add_plan(sub) -> None:
 
     def memory(a):
         import json
-        import os
 
         from arbor import configs
         from arbor.train import memory_plan
         if a.ranks < 1:
             raise ValueError(f"--ranks must be ≥ 1, got {a.ranks}")
-        os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = str(a.ranks), str(a.ranks)
         if a.job == "sft":
             from arbor.train.sft import SFTRunConfig
             cfg = configs.load(SFTRunConfig, None, [f"model={json.dumps(a.model)}", *a.overrides])
-            inp = memory_plan.from_sft(cfg)
+            inp = memory_plan.from_sft(cfg, a.ranks)
         else:
             from arbor.train.config import RLConfig
             cfg = configs.load(RLConfig, None, [f"model={json.dumps(a.model)}", *a.overrides])
-            inp = memory_plan.from_rl(cfg)
+            inp = memory_plan.from_rl(cfg, a.ranks)
         memory_plan.check(inp, f"arbor {a.job}", enforce=False)
 
     m.set_defaults(func=memory, trailing_words="overrides")

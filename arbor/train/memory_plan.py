@@ -269,15 +269,18 @@ def _model_config(model: str):
     return ModelConfig.from_file(model)
 
 
-def _ranks() -> tuple[int, int]:
-    """(world size, ranks on this host) of the launched job (1, 1 outside ``arbor launch``)."""
+def _ranks(ranks: int | None) -> tuple[int, int]:
+    """(world size, ranks on this host): ``ranks`` all on this host, or the launched job's (1, 1 outside
+    ``arbor launch``)."""
+    if ranks is not None:
+        return ranks, ranks
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
 
-def from_sft(cfg) -> PlanInputs:
-    """The plan's inputs of an ``arbor sft`` config (``SFTRunConfig``)."""
-    world, local = _ranks()
+def from_sft(cfg, ranks: int | None = None) -> PlanInputs:
+    """The plan's inputs of an ``arbor sft`` config (``SFTRunConfig``) on ``ranks`` ranks (default: this job's)."""
+    world, local = _ranks(ranks)
     t = cfg.train
     tokens = min(t.tree.token_cap, t.batch_tokens) if t.tree.token_cap else t.batch_tokens
     return PlanInputs(model=_model_config(cfg.model), dtype=t.dtype, lora_rank=cfg.lora.rank,
@@ -287,10 +290,11 @@ def from_sft(cfg) -> PlanInputs:
                       keys={"dtype": "train.dtype", "tokens": "train.tree.token_cap", "recompute": "train.recompute"})
 
 
-def from_rl(cfg) -> PlanInputs:
-    """The plan's inputs of an ``arbor train`` config (``RLConfig``): the trainer plus its colocated engine."""
+def from_rl(cfg, ranks: int | None = None) -> PlanInputs:
+    """The plan's inputs of an ``arbor train`` config (``RLConfig``): the trainer plus its colocated engine,
+    on ``ranks`` ranks (default: this job's)."""
     from arbor.train.config import engine_config
-    world, local = _ranks()
+    world, local = _ranks(ranks)
     e = engine_config(cfg)
     mcfg = _model_config(cfg.model)
     shares = not cfg.lora.enabled and e.share_weights and e.dtype == "float32" and cfg.dtype == "float32"
