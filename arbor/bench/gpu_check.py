@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from arbor.bench.common import sync
+
 SHAPE_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 SHAPE_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -38,9 +40,15 @@ SHAPE_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
 
 
 def _peak_reset(device):
+    sync(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def stamp(device, stamps: list) -> None:
+    """Append the time once the device has finished the work queued so far."""
+    sync(device)
+    stamps.append(time.perf_counter())
 
 
 def _peak_gib(device) -> float | None:
@@ -155,8 +163,7 @@ def check_sft_bf16(args, device, tmp: Path) -> dict:
     rows = sft(model, examples, SFTConfig(steps=args.steps, log_every=1, checkpoint_every=0, batch_tokens=tokens,
                                           dtype="bfloat16", tree=TreeConfig(enabled=False, token_cap=tokens),
                                           optim=OptimConfig(lr=1e-5, warmup_steps=0)),
-               on_log=lambda r: (torch.cuda.synchronize(device) if device.type == "cuda" else None,
-                                 stamps.append(time.perf_counter())))
+               on_log=lambda r: stamp(device, stamps))
     steps = [b - a for a, b in zip(stamps, stamps[1:])][1:] or [stamps[-1] - stamps[0]]
     peak = _peak_gib(device)
     finite = all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

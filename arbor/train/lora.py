@@ -21,6 +21,11 @@ import torch
 from arbor.models.lora import LoRAConfig, apply_lora, has_lora, is_adapter_folder, merged_tensors, save_adapter
 
 
+def frozen_dtype(lora: LoRAConfig, train_dtype: str) -> torch.dtype | None:
+    """The dtype LoRA's frozen base is kept in: the training dtype when it is 16-bit, else None (as loaded)."""
+    return getattr(torch, train_dtype) if lora.enabled and train_dtype in ("bfloat16", "float16") else None
+
+
 def base_folder(model_arg: str, out: str | Path) -> tuple[Path, bool]:
     """(the folder an adapter over ``model_arg`` names as its base, whether the run must write it)."""
     p = Path(model_arg)
@@ -42,8 +47,7 @@ def adapt(model, cfg: LoRAConfig, train_dtype: str, model_arg: str, out: str | P
         if ctx.is_main and not (base / "config.json").is_file():
             save_model(model, base, tokenizer=tokenizer, tensors=tensors)
         ctx.barrier("lora: base written")
-    base_dtype = getattr(torch, train_dtype) if train_dtype in ("bfloat16", "float16") else None
-    adapted = apply_lora(model, cfg, base_dtype)
+    adapted = apply_lora(model, cfg, frozen_dtype(cfg, train_dtype))
     model.lora_base = str(base.resolve())
     if ctx.is_main:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

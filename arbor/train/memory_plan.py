@@ -118,18 +118,26 @@ def activation_bytes_per_token(inp: PlanInputs) -> tuple[float, float]:
     torch.manual_seed(0)
     probe = CausalLM(_layers(mcfg, k, PROBE_VOCAB))
     if inp.lora_rank:
-        apply_lora(probe, LoRAConfig(rank=inp.lora_rank, targets=list(inp.lora_targets)), base_dtype=_base_dtype(inp))
-    per = {}
-    for recompute in (False, True):
+        apply_lora(probe, LoRAConfig(rank=inp.lora_rank, targets=list(inp.lora_targets)), base_dtype=_frozen(inp))
+
+    def stored(recompute: bool) -> float:
         probe.gradient_checkpointing = recompute
         a, b = (_saved_bytes(probe, t, inp.dtype) for t in PROBE_TOKENS)
-        per[recompute] = (b - a) / (PROBE_TOKENS[1] - PROBE_TOKENS[0]) * mcfg.num_hidden_layers / k
-    one_layer = per[False] / mcfg.num_hidden_layers
-    return (per[True], one_layer) if inp.recompute else (per[False], 0.0)
+        return (b - a) / (PROBE_TOKENS[1] - PROBE_TOKENS[0]) * mcfg.num_hidden_layers / k
+
+    full = stored(False)
+    return (stored(True), full / mcfg.num_hidden_layers) if inp.recompute else (full, 0.0)
 
 
-def _base_dtype(inp: PlanInputs):
-    return getattr(torch, inp.dtype) if inp.lora_rank and inp.dtype in ("bfloat16", "float16") else None
+def _frozen(inp: PlanInputs):
+    from arbor.models.lora import LoRAConfig
+    from arbor.train.lora import frozen_dtype
+    return frozen_dtype(LoRAConfig(rank=inp.lora_rank), inp.dtype)
+
+
+def _host_ranks(inp: PlanInputs) -> int:
+    """Ranks whose plans share one memory: those of this host on CPU, one per device on CUDA."""
+    return inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
 
 
 def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
@@ -141,9 +149,10 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
     counts = parameter_counts(inp.model, inp.lora_rank, inp.lora_targets)
     ep_share = counts["expert"] * (1 - 1 / max(1, inp.ep_size))
     total, trained = counts["total"] - ep_share, counts["trained"] - (0 if inp.lora_rank else ep_share)
-    base = _base_dtype(inp)
-    frozen_bytes = (total - trained) * (torch.finfo(base).bits // 8 if base else 4)
-    lora_knob = f"{k.get('lora', 'lora.rank')}=16"
+    base = _frozen(inp)
+    frozen_width = torch.finfo(base).bits // 8 if base else 4
+    frozen_bytes = (total - trained) * frozen_width
+    lora_knob = "lora.rank=16"
     items = [("weights", int(frozen_bytes + trained * 4 / n), f"{k.get('dtype', 'dtype')}=bfloat16 with {lora_knob}"),
              ("gradients", int(trained * 4 / n), f"{lora_knob}, dist.fsdp=true on more ranks"),
              ("optimizer state (AdamW)", int(trained * 8 / n), f"{lora_knob}, dist.fsdp=true on more ranks")]
@@ -174,7 +183,7 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
             e.max_num_seqs * -(-e.max_model_len // e.block_size), e.kv_cache_bytes // max(1, per_block))
         items.append(("engine KV cache", int(blocks * per_block), "engine.num_blocks, engine.kv_cache_bytes"))
     if inp.reference:
-        items.append(("KL reference model", int(total * (torch.finfo(base).bits // 8 if base else 4)),
+        items.append(("KL reference model", int(total * frozen_width),
                       "loss.kl_coef=0"))
     if runtime:
         items.append(("process (Python, torch, libraries)", runtime, ""))
@@ -228,8 +237,7 @@ def available_bytes(device: str) -> int:
 
 
 def render(inp: PlanInputs, items, available: int) -> str:
-    total = peak_bytes(items)
-    host = inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
+    total, host = peak_bytes(items), _host_ranks(inp)
     width = max(len(name) for name, _, _ in items)
     lines = [f"memory plan per rank ({inp.world_size} rank(s), {inp.dtype}"
              f"{f', LoRA rank {inp.lora_rank}' if inp.lora_rank else ''}, {inp.device}):"]
@@ -248,8 +256,7 @@ def check(inp: PlanInputs, job: str, enforce: bool = True, show: bool = True) ->
     available = available_bytes(inp.device)
     if show:
         print(render(inp, items, available), flush=True)
-    host = inp.local_ranks if torch.device(inp.device).type == "cpu" else 1
-    need = peak_bytes(items) * host
+    need = peak_bytes(items) * _host_ranks(inp)
     if enforce and need > available:
         top = sorted(items, key=lambda it: -it[1])[:3]
         raise MemoryPlanError(
@@ -283,10 +290,11 @@ def from_sft(cfg, ranks: int | None = None) -> PlanInputs:
     world, local = _ranks(ranks)
     t = cfg.train
     tokens = min(t.tree.token_cap, t.batch_tokens) if t.tree.token_cap else t.batch_tokens
-    return PlanInputs(model=_model_config(cfg.model), dtype=t.dtype, lora_rank=cfg.lora.rank,
+    mcfg = _model_config(cfg.model)
+    return PlanInputs(model=mcfg, dtype=t.dtype, lora_rank=cfg.lora.rank,
                       fused_head=not (cfg.lora.rank and "lm_head" in cfg.lora.targets),
                       lora_targets=list(cfg.lora.targets), tokens=tokens, recompute=t.recompute, device=cfg.device,
-                      world_size=world, local_ranks=local, ep_size=_ep(cfg, world), fsdp=getattr(cfg.dist, "fsdp", False),
+                      world_size=world, local_ranks=local, ep_size=_ep(cfg, mcfg, world), fsdp=cfg.dist.fsdp,
                       keys={"dtype": "train.dtype", "tokens": "train.tree.token_cap", "recompute": "train.recompute"})
 
 
@@ -301,10 +309,10 @@ def from_rl(cfg, ranks: int | None = None) -> PlanInputs:
     tokens = cfg.tree.token_cap if cfg.tree.enabled and cfg.tree.token_cap else cfg.rollout.max_context
     return PlanInputs(model=mcfg, dtype=cfg.dtype, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.targets),
                       tokens=tokens, recompute=cfg.recompute, device=cfg.device, world_size=world, local_ranks=local,
-                      ep_size=_ep(cfg, world), fsdp=getattr(cfg.dist, "fsdp", False), engine=e, engine_shares=shares,
+                      ep_size=_ep(cfg, mcfg, world), fsdp=cfg.dist.fsdp, engine=e, engine_shares=shares,
                       reference=cfg.loss.kl_coef > 0,
                       fused_head=cfg.rollout.top_p == 1 and not (cfg.lora.rank and "lm_head" in cfg.lora.targets))
 
 
-def _ep(cfg, world: int) -> int:
-    return (cfg.dist.ep_size or world) if _model_config(cfg.model).num_experts and world > 1 else 1
+def _ep(cfg, mcfg, world: int) -> int:
+    return (cfg.dist.ep_size or world) if mcfg.num_experts and world > 1 else 1

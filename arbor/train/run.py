@@ -73,9 +73,8 @@ def build_trainer(cfg):
     from arbor.train.rl import RLTrainer
     torch.manual_seed(cfg.seed)
     ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
-    frozen_16bit = cfg.lora.enabled and cfg.dtype in ("bfloat16", "float16")    # LoRA: the frozen base in that dtype
-    model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype) if frozen_16bit else torch.float32, device=cfg.device,
-                       ctx=ctx)
+    from arbor.train.lora import frozen_dtype
+    model = load_model(cfg.model, dtype=frozen_dtype(cfg.lora, cfg.dtype) or torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     ecfg = engine_config(cfg)
     if cfg.lora.enabled:           # the engine serves its own plain copy, refreshed with merged weights (train.lora)

@@ -181,7 +181,7 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
     from arbor.distributed import init_distributed
     from arbor.models import CausalLM, ModelConfig, load_model, save_model
     from arbor.models.checkpoint import gather_hf_tensors
-    from arbor.train.lora import adapt, save_adapter_folder
+    from arbor.train.lora import adapt, frozen_dtype, save_adapter_folder
     from arbor.models.expert_parallel import shard_experts
     from arbor.models.presets import PRESETS, preset_config
     from arbor.models.tokenizer import Tokenizer, builtin_tokenizer
@@ -197,9 +197,8 @@ def run_sft(cfg: SFTRunConfig, on_log=None, until=None):
         shard_experts(model, ctx)
     else:
         ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
-        frozen_16bit = cfg.lora.enabled and cfg.train.dtype in ("bfloat16", "float16")   # LoRA: the frozen base in it
         tok = Tokenizer.load(cfg.model)
-        model = load_model(cfg.model, dtype=getattr(torch, cfg.train.dtype) if frozen_16bit else torch.float32, ctx=ctx)
+        model = load_model(cfg.model, dtype=frozen_dtype(cfg.lora, cfg.train.dtype) or torch.float32, ctx=ctx)
     model.to(cfg.device)
     if cfg.lora.enabled:
         adapt(model, cfg.lora, cfg.train.dtype, cfg.model, cfg.out, tok, ctx)
