@@ -58,3 +58,43 @@ def test_a_job_that_cannot_fit_stops_before_step_one(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "stops before step one" in err and "optimizer state" in err and "lora.rank" in err and "memory_check=false" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_allocator_slack_is_the_activations_the_gradients_do_not_refill():
+    full, lora = items(), items(lora_rank=4, dtype="bfloat16")
+    assert full["allocator slack"] == max(0, full["activations"] - full["gradients"])
+    assert lora["allocator slack"] == lora["activations"] - lora["gradients"] > 0
+
+
+SWITCH = """
+import sys
+from arbor.kernels.allocator import allocator_mode
+from arbor.models.presets import preset_config
+from arbor.models.tokenizer import builtin_tokenizer
+from arbor.train import memory_plan as mp
+inp = mp.PlanInputs(model=preset_config("tiny", builtin_tokenizer()), dtype="bfloat16", lora_rank=4,
+                    lora_targets=["q_proj"], tokens=4096, recompute=False, device="cpu")
+mp.plan(inp)                            # warm: the first plan's imports and probe grow the process
+items = mp.plan(inp)
+lean = [it for it in items if not it[0].startswith("allocator slack")]
+mp.available_bytes = lambda device: (mp.peak_bytes(items) + mp.peak_bytes(lean)) // 2   # fits only as lean
+try:
+    mp.check(inp, "job")
+    print("ran", allocator_mode())
+except mp.MemoryPlanError as e:
+    print("stopped", allocator_mode(), e)
+"""
+
+
+def test_a_job_that_fits_only_without_the_heaps_slack_switches_to_the_lean_allocator():
+    """Each case in a fresh process: the switch is process-wide. Set by the user, ARBOR_MALLOC wins."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "ARBOR_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", SWITCH], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "ran lean" and "ARBOR_MALLOC=lean" in out.stdout
+    out = subprocess.run([sys.executable, "-c", SWITCH], env=env | {"ARBOR_MALLOC": "tuned"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1].startswith("stopped tuned"), out.stdout + out.stderr

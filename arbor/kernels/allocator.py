@@ -18,6 +18,8 @@ none of the heap's holes (measured at Qwen3-0.6B's shape, 2048 tokens: 2–3 GiB
 against 7.9 GiB for bf16 + LoRA), at the price of faulting those pages in again every step (steps took
 1.5–2.2× as long on 2 cores). Any other value is refused. A no-op where the C library is not glibc.
 Called at the start of every ``arbor`` command and of every rank (``init_distributed``).
+``switch_to_lean()`` changes a running process from ``tuned`` to ``lean`` (the training jobs' memory
+plan does, when the job fits only without the heap's slack and ``ARBOR_MALLOC`` was not set).
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ LEAN = ((M_MMAP_THRESHOLD, 64 << 10),)
 CHOICES = ("tuned", "system", "lean")
 
 
+_switched = False                      # switch_to_lean() ran in this process
+
+
 def allocator_mode() -> str:
+    if _switched:
+        return "lean"
     mode = os.environ.get("ARBOR_MALLOC", "tuned")
     if mode not in CHOICES:
         raise ValueError(f"ARBOR_MALLOC={mode!r}: expected one of {', '.join(CHOICES)} "
@@ -48,3 +55,15 @@ def tune_allocator() -> bool:
         return False
     libc = ctypes.CDLL("libc.so.6")
     return all(libc.mallopt(ctypes.c_int(k), ctypes.c_int(v)) == 1 for k, v in (LEAN if mode == "lean" else SETTINGS))
+
+
+def switch_to_lean() -> bool:
+    """From now on return freed blocks at once (``lean``) and give back the heap's free pages; → whether
+    the process changed (False: ``ARBOR_MALLOC`` was set by the user, it already is lean, or no glibc)."""
+    global _switched
+    if "ARBOR_MALLOC" in os.environ or _switched or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    _switched = all(libc.mallopt(ctypes.c_int(k), ctypes.c_int(v)) == 1 for k, v in LEAN)
+    libc.malloc_trim(0)
+    return _switched

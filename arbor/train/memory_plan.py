@@ -168,7 +168,7 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
     items.append(("log-prob head", int(head_bytes(inp.tokens, inp.model.vocab_size, inp.model.hidden_size, head_dtype,
                                                   inp.fused_head)),
                   f"a smaller {k.get('tokens', 'tree.token_cap')}"))
-    slack = _allocator_slack(inp, int(inp.tokens * (stored + rebuilt)))
+    slack = _allocator_slack(inp, int(inp.tokens * (stored + rebuilt)), int(trained * 4 / n))
     if slack:
         items.append(("allocator slack (freed blocks the heap keeps)", slack, "ARBOR_MALLOC=lean (slower steps)"))
     if inp.engine is not None:
@@ -190,16 +190,18 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
     return items
 
 
-def _allocator_slack(inp: PlanInputs, activations: int) -> int:
-    """On CPU with ``ARBOR_MALLOC=tuned`` (or glibc's defaults) freed blocks stay in the heap, and the
-    holes left between a step's activations count in resident memory: measured at Qwen3-0.6B's shape
-    (``arbor bench train-memory``, tuned against lean) as 0.47 to 0.85 × the activations (bf16, bf16 +
-    LoRA, float32). The plan takes one activations' worth, the bound of that range; ``lean`` returns
-    freed blocks at once (0). CUDA's caching allocator is not modelled (0)."""
+def _allocator_slack(inp: PlanInputs, activations: int, gradients: int) -> int:
+    """On CPU with ``ARBOR_MALLOC=tuned`` (or glibc's defaults) freed blocks stay in the heap: the holes a
+    step's activations leave when backward frees them count in resident memory, less what the gradients,
+    made during that same backward, fill again. Slack = max(0, activations − gradients). Measured at
+    Qwen3-0.6B's shape, 2048 tokens (``arbor bench train-memory``, peak RSS tuned − lean, against
+    activations − gradients): float32 3.0 against 4.5 GiB, bf16 2.1 against 2.5, bf16 + LoRA 2.3–2.8
+    against 3.3 — the formula is the bound of those. ``lean`` returns freed blocks at once (0). CUDA's
+    caching allocator is not modelled (0)."""
     from arbor.kernels.allocator import allocator_mode
     if torch.device(inp.device).type != "cpu" or allocator_mode() == "lean":
         return 0
-    return activations
+    return max(0, activations - gradients)
 
 
 def peak_bytes(items) -> int:
@@ -251,12 +253,23 @@ def render(inp: PlanInputs, items, available: int) -> str:
 
 def check(inp: PlanInputs, job: str, enforce: bool = True, show: bool = True) -> list:
     """Print the plan (``show``) and raise ``MemoryPlanError`` naming the largest items and their knobs
-    when it exceeds the free memory (``enforce``). → the items."""
+    when it exceeds the free memory (``enforce``). A job that fits only without the heap's slack switches
+    this process to ``ARBOR_MALLOC=lean`` (unless the variable is set) and says so. → the items."""
     items = plan(inp)
     available = available_bytes(inp.device)
+    host = _host_ranks(inp)
+    lean = [it for it in items if not it[0].startswith("allocator slack")]
+    if enforce and peak_bytes(items) * host > available >= peak_bytes(lean) * host and len(lean) < len(items):
+        from arbor.kernels.allocator import switch_to_lean
+        if switch_to_lean():
+            items = lean
+            if show:
+                print(f"memory plan: {job} fits only if freed memory goes back to the system at once, so it runs "
+                      "with ARBOR_MALLOC=lean (steps are slower; set ARBOR_MALLOC=tuned to keep the heap's slack)",
+                      flush=True)
     if show:
         print(render(inp, items, available), flush=True)
-    need = peak_bytes(items) * _host_ranks(inp)
+    need = peak_bytes(items) * host
     if enforce and need > available:
         top = sorted(items, key=lambda it: -it[1])[:3]
         raise MemoryPlanError(
