@@ -88,6 +88,74 @@ def case_sft(out: Path, kind: str):
                     "resumed_history": rows}, out / "sft.pt")
 
 
+def trajectories():
+    """Six groups of two fixed samples (random tokens, a prompt of 4, loss on the rest, the engine's
+    log-probs near the random model's −ln 96, rewards 0 and 1 in each group): ``arbor train``'s update, without the rollouts."""
+    from arbor.rollout.tree import Trajectory
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, s in enumerate(sequences(2, 12, lo=8, hi=30)):
+        mask = [0] * 4 + [1] * (len(s) - 4)
+        out.append(Trajectory(tokens=s, loss_mask=mask, logp_infer=(-4.7 + 0.2 * torch.rand(len(s), generator=g)).tolist(),
+                              versions=[0] * len(s), reward=float(i % 2), group=i // 2, prompt_len=4))
+    return out
+
+
+def rl_trainer(ctx, moe: bool):
+    """An ``RLTrainer`` on the float64 model (its engine a float32 copy), two optimizer steps per RL step
+    (so θ_old is recomputed), a KL reference, micro-batches of ≤ 48 tokens, the clip active (0.2 < ‖g‖)."""
+    import types
+
+    from arbor import configs
+    from arbor.engine import EngineConfig
+    from arbor.models.tokenizer import builtin_tokenizer
+    from arbor.train.config import RLConfig
+    from arbor.train.rl import RLTrainer
+    from arbor.train.run import make_engine
+    cfg = configs.load(RLConfig, None, ["steps=2", "ppo_epochs=2", "loss.kl_coef=0.05", "tree.enabled=false",
+                                        "tree.token_cap=48", "optim.lr=1e-2", "optim.warmup_steps=0",
+                                        "optim.grad_clip=0.2", f"dist.fsdp={str(ctx.fsdp).lower()}"])
+    model, tok = fresh(ctx, moe), builtin_tokenizer()
+    engine, sampling = make_engine(model, tok, EngineConfig(dtype="float32", share_weights=False, num_blocks=16,
+                                                            max_model_len=64), ctx)
+    task = types.SimpleNamespace(train=[], eval=[], rewards=None, make_env=None)
+    return RLTrainer(cfg, model, tok, engine, sampling, task, ctx)
+
+
+def rl_steps(trainer, mine) -> list[dict]:
+    rows = []
+    for step in range(2):
+        trainer.step = step
+        old, ref, _ = trainer.recompute_old(mine)
+        rows.append(trainer.train_on(mine, old, ref))
+    trainer.sync_weights()
+    return rows
+
+
+def rl_reference(kind: str):
+    """One process, no FSDP, every group (test side): → (HF tensors, rows)."""
+    from arbor.models.checkpoint import to_hf_tensors
+    trainer = rl_trainer(DistContext.single(), kind.startswith("moe"))
+    rows = rl_steps(trainer, trajectories())
+    return to_hf_tensors(trainer.model), rows
+
+
+def case_rl(out: Path, kind: str):
+    """Two float64 RL steps of ``arbor train``'s update with ``dist.fsdp`` on 2 ranks (rank r: groups r, r+2, …;
+    rank 0 runs 3 micro-batches a pass, rank 1 2, so rank 1 runs idle passes, with and without grad), then a
+    weight sync. Rank 0 saves the full weights, the rows and its engine's weights after the sync."""
+    from arbor.train.fsdp import full_hf_tensors, full_tensors
+    moe = kind.startswith("moe")
+    ctx = init_distributed(DistConfig(timeout_s=20, fsdp=True, ep_size=0 if kind == "moe" else 1), 4 * moe)
+    trainer = rl_trainer(ctx, moe)
+    mine = [t for t in trajectories() if t.group % 2 == ctx.rank]
+    rows = rl_steps(trainer, mine)
+    tensors, whole = full_hf_tensors(trainer.model, ctx), dict(full_tensors(trainer.model))
+    if ctx.is_main:
+        served = {k: v.clone() for k, v in trainer.engine.engine.model.state_dict().items()}
+        torch.save({"tensors": tensors, "rows": rows, "served": served, "whole": whole}, out / "rl.pt")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     case, out, *args = sys.argv[1:]

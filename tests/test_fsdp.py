@@ -96,12 +96,57 @@ def test_fsdp_on_one_rank_exits_2_naming_the_fix(tmp_path):
     assert "dist.fsdp=true shards parameters over ranks and needs ≥ 2 ranks (arbor launch -n N …)" in run.stderr
 
 
-def test_fsdp_is_refused_for_arbor_train_and_with_lora(tmp_path):
+def test_fsdp_is_refused_with_lora(tmp_path):
     from arbor import configs
     from arbor.train.config import RLConfig
-    from arbor.train.run import train
     from arbor.train.sft import SFTRunConfig
-    with pytest.raises(ValueError, match="`arbor train` serves the trainer's weights to its colocated rollout engine"):
-        train(configs.load(RLConfig, None, [f"out={tmp_path}", "dist.fsdp=true"]))
-    with pytest.raises(ValueError, match=r"with LoRA \(lora.rank > 0\) only the adapters train"):
-        configs.load(SFTRunConfig, None, ["dist.fsdp=true", "lora.rank=4"])
+    for cls in (RLConfig, SFTRunConfig):
+        with pytest.raises(ValueError, match=r"with LoRA \(lora.rank > 0\) only the adapters train"):
+            configs.load(cls, None, ["dist.fsdp=true", "lora.rank=4"])
+
+
+@pytest.mark.multiprocess
+def test_two_rank_fsdp_rl_run_saves_one_hf_folder_and_resumes(tmp_path):
+    """`arbor launch -n 2 train … dist.fsdp=true`: rollouts on each rank's own engine (whole weights synced
+    from the shards every step), one HF folder at the end, a checkpoint every step that resumes."""
+    import json
+
+    from tests.server_helpers import tiny_folder
+    out = tmp_path / "out"
+    common = [f"model={tiny_folder(tmp_path / 'model')}", f"out={out}", "task=longtail", "groups_per_step=2", "checkpoint_every=1", "dist.fsdp=true",
+              "c3po.enabled=false", "rollout.max_turn_tokens=8", "dist.timeout_s=30", "eval_every=0"]
+    launch_ = lambda *a: subprocess.run([sys.executable, "-m", "arbor.cli", "launch", "-n", "2", "--threads", "1",
+                                         "--timeout", "110", "train", *a, *common], capture_output=True, text=True,
+                                        timeout=120)
+    run = launch_("steps=2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["samples"] > 0 and r["grad_norm"] > 0 for r in rows)
+    # the engine's float32 copy is the trainer's gathered weights: log-probs agree to float32 noise (≤ 5e-7,
+    # tests/float64_ref.py; 1e-5 is 20×); a stale or sharded copy would be off by the step's update
+    assert all(r["mismatch_abs"] < 1e-5 for r in rows[1:]), [r["mismatch_abs"] for r in rows]
+    assert (out / "final" / "model" / "config.json").exists()
+    run = launch_("steps=3")                    # resumes after step 2
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", ["dense", "moe-dp"])
+def test_fsdp_rl_update_on_two_ranks_equals_one_process_and_syncs_whole_weights(tmp_path, kind, one_thread):
+    """``arbor train``'s update (θ_old recomputed under no_grad, a KL reference, two optimizer steps, the clip
+    active, idle passes on the rank with fewer micro-batches) in float64: only the summation order differs.
+    The engine's copy after the sync is the gathered weights, cast to its float32."""
+    from tests.fsdp_cases import rl_reference
+    result = launch([sys.executable, CASES, "rl", str(tmp_path), kind], 2, threads=1, timeout_s=90, echo=None, grace_s=5)
+    assert result.returncode == 0, "\n".join(f"[rank {r}] {line}" for r in range(2) for line in result.output[r])
+    got = torch.load(tmp_path / "rl.pt", weights_only=False)
+    want, rows = rl_reference(kind)
+    worst = max(float((got["tensors"][k] - want[k]).abs().max()) for k in want)
+    assert worst <= 1e-12, worst        # measured 7.9e-16 (dense), 1.9e-15 (moe-dp)
+    for key in ("loss", "grad_norm", "kl_ref", "approx_kl"):
+        assert [r[key] for r in got["rows"]] == pytest.approx([r[key] for r in rows], rel=1e-10), key
+    assert all(r["grad_norm"] > 0.2 for r in rows) and rows[-1]["approx_kl"] > 0     # the clip acts; θ moved off θ_old
+    assert got["served"].keys() == got["whole"].keys()
+    assert all(torch.equal(got["served"][k], v.float()) for k, v in got["whole"].items())

@@ -35,7 +35,7 @@ class DistConfig:
     ep_size: int = 0           # ranks that split each MoE layer's experts (0: all ranks for an MoE model, else 1)
     timeout_s: float = 60.0    # a collective that waits longer fails on every surviving rank
     phase_groups: bool = False # P/D multiplexing: prefill and decode get private expert-parallel groups
-    fsdp: bool = False         # `arbor sft`: shard replicated parameters, gradients and AdamW moments over ranks (FSDP2)
+    fsdp: bool = False         # shard replicated parameters, gradients and AdamW moments over ranks (FSDP2; sft and train)
 
     def validate(self) -> None:
         if self.ep_size < 0:

@@ -138,6 +138,9 @@ class RLConfig:
 
     def validate(self) -> None:
         check_dtype(self.dtype, self.device)
+        if self.dist.fsdp and self.lora.enabled:
+            from arbor.train.fsdp import refuse
+            raise refuse("with LoRA (lora.rank > 0) only the adapters train, and their optimizer state is small")
         if self.rollout.overlap and self.loss.correction == "none":
             raise ValueError("rollout.overlap=true needs loss.correction tis or icepop (the behaviour policy lags "
                              "the trained one by a version), got loss.correction='none'")

@@ -23,10 +23,11 @@ Invariants:
   folder written by rank 0) and each rank's optimizer shard as plain local tensors
   (``local_optimizer_state``), rewrapped on load (``sharded_optimizer_state``) at the same world size.
 
-Scope: ``arbor sft`` (dense and MoE, with or without expert parallelism). Refused with ``refuse``'s
-message (exit 2 from the CLI): ``arbor train`` (its colocated engine serves the trainer's parameters,
-which would be shards: ``TRAIN_REFUSAL``), LoRA (only the adapters train; their state is small), and
-one rank (``init_distributed``: "needs ≥ 2 ranks").
+Scope: ``arbor sft`` and ``arbor train`` (dense and MoE, with or without expert parallelism). In
+``arbor train`` the colocated engine serves a plain copy of its own (never the shards), refreshed at each
+sync from ``full_tensors`` one gathered tensor at a time; the frozen KL reference is a plain copy made
+before sharding. Refused with ``refuse``'s message (exit 2 from the CLI): LoRA (only the adapters train;
+their state is small), and one rank (``init_distributed``: "needs ≥ 2 ranks").
 """
 
 from __future__ import annotations
@@ -37,10 +38,6 @@ import torch
 
 from arbor.models import VarlenAttention
 from arbor.models.expert_parallel import is_expert_param
-
-
-TRAIN_REFUSAL = ("`arbor train` serves the trainer's weights to its colocated rollout engine, which needs whole "
-                 "tensors, not shards (shard SFT with `arbor launch -n N sft … dist.fsdp=true`)")
 
 
 def refuse(what: str) -> ValueError:
@@ -96,6 +93,14 @@ def sharded_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """Σ ‖local shard‖² of DTensor gradients (float64): summed over ranks it is Σ ‖g‖² of the full ones."""
     wide = lambda g: g.to(torch.promote_types(g.dtype, torch.float32))
     return sum((wide(g.to_local()).norm().double().square() for g in grads), torch.zeros((), dtype=torch.float64))
+
+
+def full_tensors(model):
+    """(name, whole tensor) of every state-dict entry of a sharded ``model``, in state-dict order (the same
+    on every rank), each sharded one all-gathered as it is reached: a weight sync holds one gathered tensor
+    at a time. Collective: every rank must consume the whole iterator."""
+    for name, t in model.state_dict().items():
+        yield name, t.full_tensor() if is_sharded(t) else t
 
 
 class _FullView:

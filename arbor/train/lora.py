@@ -68,6 +68,10 @@ def save_adapter_folder(model, out: str | Path, tokenizer=None) -> Path:
 
 
 def sync_tensors(model) -> dict[str, torch.Tensor]:
-    """What a weight sync sends an engine holding its own plain copy: every parameter, or with LoRA
-    the merged weights of the adapted linears (nothing else changes)."""
+    """What a weight sync sends an engine holding its own plain copy: every parameter (a sharded model's
+    gathered whole: collective), or with LoRA the merged weights of the adapted linears (nothing else
+    changes)."""
+    from arbor.train.fsdp import full_tensors, is_fsdp
+    if is_fsdp(model):             # a sharded trainer (dist.fsdp): each tensor gathered whole as it is sent
+        return full_tensors(model)
     return merged_tensors(model) if has_lora(model) else model.state_dict()

@@ -318,7 +318,7 @@ def from_rl(cfg, ranks: int | None = None) -> PlanInputs:
     world, local = _ranks(ranks)
     e = engine_config(cfg)
     mcfg = _model_config(cfg.model)
-    shares = not cfg.lora.enabled and e.share_weights and e.dtype == "float32" and cfg.dtype == "float32"
+    shares = not cfg.lora.enabled and not cfg.dist.fsdp and e.share_weights and e.dtype == "float32" and cfg.dtype == "float32"
     tokens = cfg.tree.token_cap if cfg.tree.enabled and cfg.tree.token_cap else cfg.rollout.max_context
     return PlanInputs(model=mcfg, dtype=cfg.dtype, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.targets),
                       tokens=tokens, recompute=cfg.recompute, device=cfg.device, world_size=world, local_ranks=local,

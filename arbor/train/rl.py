@@ -55,9 +55,6 @@ from arbor.train.run_log import RunLog
 class RLTrainer(PolicyUpdate):
     def __init__(self, cfg: RLConfig, model, tokenizer, engine, sampling_factory, task, ctx=None):
         self.ctx = ctx or DistContext.single()
-        if self.ctx.fsdp or cfg.dist.fsdp:
-            from arbor.train.fsdp import TRAIN_REFUSAL, refuse
-            raise refuse(TRAIN_REFUSAL)
         self.overlap = cfg.rollout.overlap
         if self.overlap:
             if self.ctx.distributed:
@@ -71,14 +68,16 @@ class RLTrainer(PolicyUpdate):
         self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory, cfg.data.template_kwargs)
         self.sampling_factory = sampling_factory
         set_recompute(model, cfg.recompute)
+        self.reference = None
+        if cfg.loss.kl_coef > 0:     # frozen copy of the starting weights (shares the EP groups under EP; whole)
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            self.reference.gradient_checkpointing = False
+        if self.ctx.fsdp:            # after the engine and the reference took their whole copies (arbor.train.fsdp)
+            shard_trainer_model(model, engine, self.ctx)
         self.optimizer = make_optimizer(model, cfg.optim)
         self.routepack = RoutePackHook(cfg.plan, model, self.optimizer, engine, self.ctx)
         r = cfg.rollout     # the trainer's log-probs are those of the distribution the engine sampled from
         self.spec = SamplingSpec(temperature=r.temperature if r.temperature > 0 else 1.0, top_p=r.top_p)
-        self.reference = None
-        if cfg.loss.kl_coef > 0:     # frozen copy of the starting weights (shares the EP groups under EP)
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-            self.reference.gradient_checkpointing = False
         self.rows = task.train
         self.step, self.next_problem, self.next_group = 0, 0, 0
         self.pool: list = []
@@ -258,6 +257,14 @@ class RLTrainer(PolicyUpdate):
     async def run(self, on_row=None, stop_after: int | None = None) -> list[dict]:
         """Train to ``cfg.steps`` (``rl_run``)."""
         return await rl_run(self, "rl", on_row, stop_after)
+
+
+def shard_trainer_model(model, engine, ctx) -> None:
+    """``dist.fsdp``: shard the trainer's model over the ranks; its engine must serve a copy of its own."""
+    from arbor.train.fsdp import refuse, shard_model
+    if getattr(getattr(engine, "engine", None), "model", None) is model:
+        raise refuse("the rollout engine serves the trainer's own module; build it with engine.share_weights=false")
+    shard_model(model, ctx)
 
 
 async def rl_run(trainer, name: str, on_row=None, stop_after: int | None = None) -> list[dict]:

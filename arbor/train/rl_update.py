@@ -21,6 +21,7 @@ import torch
 from arbor.plan.packing import first_fit_decreasing
 from arbor.train.advantages import group_advantages
 from arbor.train.distributed import global_count, run_idle_passes
+from arbor.train.fsdp import is_fsdp
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.precision import autocast, upcast
 from arbor.train.losses import policy_loss
@@ -79,6 +80,7 @@ class PolicyUpdate:
         old, ref = [None] * len(trajs), [None] * len(trajs) if self.reference is not None else None
         ent = [0.0, 0.0]
         micros = self.micro_batches(trajs)
+        missing = self._missing_passes(len(micros))
         with torch.no_grad():
             for micro in micros:
                 sub, entropy = [trajs[i] for i in micro], []
@@ -91,7 +93,7 @@ class PolicyUpdate:
                     old[i] = logp[cu[j]:cu[j + 1]]
                     if ref is not None:
                         ref[i] = refp[cu[j]:cu[j + 1]]
-            self._idle_passes(len(micros) * (2 if ref is not None else 1))
+            self._idle_passes(missing, with_reference=ref is not None)
         return old, ref, ent
 
     @property
@@ -104,10 +106,28 @@ class PolicyUpdate:
         c = self.cfg
         return c.old_logprobs == "auto" and c.ppo_epochs == 1 and c.mini_batches == 1 and self.reference is None
 
-    def _idle_passes(self, mine: int) -> None:
-        """Under expert parallelism every rank runs as many forward(+backward) passes as the busiest."""
-        if getattr(self.model, "ep_state", None) is not None:
-            run_idle_passes(self.model, global_count(mine, self.ctx) - mine)
+    def _missing_passes(self, mine: int) -> int:
+        """Under expert parallelism or FSDP every rank runs as many forward(+backward) passes as the busiest:
+        → how many this rank, with ``mine`` micro-batches, must add. Asked before the passes (a collective
+        of its own: a rank done early must not wait in it while another still exchanges)."""
+        if getattr(self.model, "ep_state", None) is None and not is_fsdp(self.model):
+            return 0
+        return global_count(mine, self.ctx) - mine
+
+    def _idle_passes(self, missing: int, with_reference: bool = False) -> None:
+        """``missing`` idle passes (``_missing_passes``), each (``with_reference``) also through the frozen
+        reference. Under FSDP the reference is whole (no all-gathers), so a missing micro-batch is one idle
+        pass of the policy, then one of the reference (its expert exchanges alone), in the busiest rank's order."""
+        ep = getattr(self.model, "ep_state", None) is not None
+        if not missing:
+            return
+        if not is_fsdp(self.model):      # expert exchanges only: a policy pass and a reference pass are alike
+            run_idle_passes(self.model, missing * (2 if with_reference else 1))
+            return
+        for _ in range(missing):
+            run_idle_passes(self.model, 1)
+            if with_reference and ep:
+                run_idle_passes(self.reference, 1)
 
     def mini_batches(self, trajs) -> list[list[int]]:
         """``mini_batches`` parts of the step's samples, whole groups each (round-robin over groups
@@ -157,6 +177,7 @@ class PolicyUpdate:
         aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
         micros = [[mini[i] for i in m] for m in self.micro_batches([trajs[i] for i in mini])]
         pos = {t: p for p, t in enumerate(mini)}          # sample index inside the mini-batch
+        missing = self._missing_passes(len(micros))
         for micro in micros:
             sub = [trajs[i] for i in micro]
             ent = [] if entropy is not None else None
@@ -182,7 +203,7 @@ class PolicyUpdate:
             for k, v in st.items():
                 stats[k] = max(stats.get(k, 0.0), v) if k == "max_k" else stats.get(k, 0.0) + v * w
             stats["tokens"] = stats.get("tokens", 0.0) + w
-        self._idle_passes(len(micros))
+        self._idle_passes(missing)
 
     def _reduce_stats(self, stats: dict, aux: bool) -> dict:
         """Token-weighted sums (and max k) of this rank → the step's values over all ranks."""

@@ -77,8 +77,8 @@ def build_trainer(cfg):
     model = load_model(cfg.model, dtype=frozen_dtype(cfg.lora, cfg.dtype) or torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     ecfg = engine_config(cfg)
-    if cfg.lora.enabled:           # the engine serves its own plain copy, refreshed with merged weights (train.lora)
-        import dataclasses
+    if cfg.lora.enabled or cfg.dist.fsdp:   # the engine serves its own plain copy, refreshed with merged (LoRA)
+        import dataclasses                  # or gathered (FSDP) weights at each sync (train.lora, train.fsdp)
         from arbor.train.lora import adapt
         ecfg = dataclasses.replace(ecfg, share_weights=False)
     engine, sampling = make_engine(model, tok, ecfg, ctx)
@@ -112,9 +112,6 @@ def train(cfg, build=build_trainer) -> list[dict]:
     """``arbor train`` in this process: ``build(cfg)`` the trainer (``build_trainer``, or the model
     family's: ``arbor.families``) and run it (``run`` logs every step through ``RunLog``:
     OUT/metrics.jsonl, TensorBoard, W&B, progress bar), plot the rewards, save OUT/final."""
-    if cfg.dist.fsdp:                    # refused before any rank starts work (arbor.train.fsdp)
-        from arbor.train.fsdp import TRAIN_REFUSAL, refuse
-        raise refuse(TRAIN_REFUSAL)
     if build is build_trainer:           # an autoregressive model: the memory plan first (arbor.train.memory_plan)
         import os
 
