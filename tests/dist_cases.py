@@ -84,14 +84,15 @@ def case_sft(ctx_unused, out: Path, kind: str, dtype: str = "float32"):
     from arbor.train.optim import OptimConfig
     from arbor.train.sft import SFTConfig, sft
     from arbor.train.tree_batch import TreeConfig
-    moe = kind == "moe"
+    moe = kind.startswith("moe")           # moe-recompute: recompute=true under EP
     ctx = init_distributed(DistConfig(timeout_s=20), 4 if moe else 0)
     torch.manual_seed(0)
     model = CausalLM(tiny_config(moe)).to(getattr(torch, dtype))
     shard_experts(model, ctx)
     examples = [(s, [0] + [1] * (len(s) - 1)) for s in sequences(5, 40)]
     cfg = SFTConfig(steps=3, batch_tokens=200, log_every=1, checkpoint_every=0, tree=TreeConfig(enabled=False, token_cap=48),
-                    moe_aux_coef=0.01 if moe else 0.0, optim=OptimConfig(lr=1e-2, warmup_steps=0))
+                    moe_aux_coef=0.01 if moe else 0.0, optim=OptimConfig(lr=1e-2, warmup_steps=0),
+                    recompute=kind == "moe-recompute")
     history = sft(model, examples, cfg, ctx=ctx)
     tensors = gather_hf_tensors(model, ctx)
     if ctx.is_main:

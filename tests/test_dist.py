@@ -53,10 +53,11 @@ def test_stuck_peer_times_out_within_the_configured_timeout(tmp_path):
     assert time.monotonic() - t0 < 25
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-recompute"])
 def test_three_sft_steps_on_two_ranks_equal_one_process(tmp_path, kind, one_thread):
-    """DP = 2 (dense) and EP = 2 (MoE): the global batch split over ranks gives one process's weights
-    (both in float64, so only the summation order differs)."""
+    """DP = 2 (dense) and EP = 2 (MoE, also with recompute: each layer's exchanges run again in backward,
+    the idle rank's too — 5 micro-batches on 2 ranks): the global batch split over ranks gives one
+    process's weights (both in float64, so only the summation order differs)."""
     from tests import dist_cases as cases
     from arbor.models import CausalLM
     from arbor.models.checkpoint import to_hf_tensors
@@ -67,10 +68,10 @@ def test_three_sft_steps_on_two_ranks_equal_one_process(tmp_path, kind, one_thre
     assert result.returncode == 0, text
     got = torch.load(tmp_path / "sft.pt")
     torch.manual_seed(0)
-    model = CausalLM(cases.tiny_config(kind == "moe")).double()
+    model = CausalLM(cases.tiny_config(kind.startswith("moe"))).double()
     examples = [(s, [0] + [1] * (len(s) - 1)) for s in cases.sequences(5, 40)]
     cfg = SFTConfig(steps=3, batch_tokens=200, log_every=1, checkpoint_every=0, tree=TreeConfig(enabled=False, token_cap=48),
-                    moe_aux_coef=0.01 if kind == "moe" else 0.0, optim=OptimConfig(lr=1e-2, warmup_steps=0))
+                    moe_aux_coef=0.01 if kind.startswith("moe") else 0.0, optim=OptimConfig(lr=1e-2, warmup_steps=0))
     history = sft(model, examples, cfg)
     want = to_hf_tensors(model)
     assert got["tensors"].keys() == want.keys()

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from arbor.models.attention import SoftmaxAttention
 from arbor.models.config import ModelConfig
 from arbor.models.gated_deltanet import GatedDeltaNet, LinearState
-from arbor.models.layers import MLP, RMSNorm, Rotary
+from arbor.models.layers import MLP, RMSNorm, Rotary, recomputed
 from arbor.models.moe import MoE
 from arbor.models.tree_linear import linear_plan_for, tree_gated_deltanet
 
@@ -140,7 +139,7 @@ class CausalLM(nn.Module):
             state = states[i] if states is not None else None
             ids = routed_experts[m] if (routed_experts is not None and layer.is_moe) else None
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x, new_states[i], ids, p = checkpoint(layer, x, cos, sin, attn, state, ids, use_reentrant=False)
+                x, new_states[i], ids, p = recomputed(layer, x, cos, sin, attn, state, ids)
             else:
                 x, new_states[i], ids, p = layer(x, cos, sin, attn, state, ids)
             if layer.is_moe:

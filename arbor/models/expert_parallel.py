@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from arbor.distributed.all_to_all import PHASES, all_to_all, exchange_counts
+from arbor.models.layers import recomputed
 from arbor.models.moe import Experts
 from arbor.models.rows import take_rows
 
@@ -152,8 +153,6 @@ def shard_experts(model, ctx, placements: dict[int, ExpertPlacement] | None = No
         return
     if getattr(model, "ep_state", None) is not None:
         raise ValueError("the model is already sharded over an expert-parallel group")
-    if model.gradient_checkpointing:
-        raise ValueError("gradient checkpointing re-runs MoE exchanges inside backward; turn it off under EP")
     E = model.config.num_experts
     state = EPState()
     for m, moe in enumerate(moe_modules(model)):
@@ -195,12 +194,14 @@ def idle_segments(model, layers_per_segment: int):
     D = model.config.hidden_size
     x = torch.zeros(0, D, device=model.device, dtype=model.dtype, requires_grad=torch.is_grad_enabled())
     ep = getattr(model, "ep_state", None) is not None
+    recompute = model.gradient_checkpointing and torch.is_grad_enabled()
     layers = model.model.layers
     for i, layer in enumerate(layers):
         if ep and layer.is_moe:
             moe, k = layer.mlp, layer.mlp.top_k
             ids = torch.zeros(0, k, dtype=torch.long, device=model.device)
-            x = x + moe.dispatch(x, ids, x.new_zeros(0, k), moe.experts)
+            dispatch = lambda x, moe=moe, ids=ids: moe.dispatch(x, ids, x.new_zeros(0, k), moe.experts)
+            x = x + (recomputed(dispatch, x) if recompute else dispatch(x))
         if (i + 1) % layers_per_segment == 0 and i + 1 < len(layers):
             yield i + 1, None
     yield len(layers), x

@@ -116,3 +116,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, engine_owned: bool = False) -
     if gate.dim() == 2 and cpu_ops.use(gate, engine_owned):
         return cpu_ops.silu_mul(gate, up)
     return F.silu(gate) * up
+
+
+def recomputed(fn, *args):
+    """``fn(*args)`` under activation recomputation, run in full again in backward: no early stop, so a
+    recomputed layer always issues its MoE exchanges, on busy and idle ranks alike."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False)

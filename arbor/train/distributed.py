@@ -34,10 +34,9 @@ from arbor.train.tree_plan import assign_lpt
 
 
 def set_recompute(model, on: bool) -> None:
-    """Activation recomputation (``train.recompute``); refused under expert parallelism, whose
-    recomputed forwards would issue exchanges inside backward that idle ranks do not."""
-    if on and getattr(model, "ep_state", None) is not None:
-        raise ValueError("recompute=true is not supported with expert parallelism (dist.ep_size > 1) yet")
+    """Activation recomputation (``train.recompute``). Under expert parallelism a recomputed layer issues
+    its forward exchanges again inside backward; an idle rank's passes recompute their exchanges the same
+    way (``arbor.models.expert_parallel.idle_segments``), so every rank's backward exchanges alike."""
     model.gradient_checkpointing = on
 
 
