@@ -11,27 +11,36 @@ from arbor.cli import main
 
 
 def test_bench_ttft_smoke(tmp_path, capsys):
-    assert main(["bench", "ttft", "--out", str(tmp_path), "--requests", "5", "--rate", "20", "--prompt-tokens",
+    assert main(["bench", "ttft", "--out", str(tmp_path), "--requests", "5", "--rate", "1000", "--prompt-tokens",
                  "64-256", "--output-tokens", "4-8", "--layers", "4", "--hidden", "32", "--vocab", "128",
-                 "--max-num-batched-tokens", "128"]) in (0, None)
+                 "--max-num-batched-tokens", "128", "--repeats", "2"]) in (0, None)
     r = json.loads((tmp_path / "ttft.json").read_text())
     assert (tmp_path / "ttft.png").exists() and r["benchmark"] == "ttft"
     assert set(r["results"]) == {"request-level", "layer-wise", "layer-wise+slo"}
     for name, res in r["results"].items():
         assert res["ttft_p99_s"] >= res["ttft_p50_s"] > 0 and res["throughput_tok_s"] > 0
         assert 0 <= res["slo_violation_rate"] <= 1 and 0 < res["mean_occupancy"] <= 1
-    lw = r["results"]["layer-wise"]
-    assert lw["offload_bytes"] > 0 and 0 <= lw["overlap"] <= 1
+    lw = r["results"]["layer-wise"]          # a burst: the device tier cannot keep every layer of all five
+    assert lw["offload_bytes"] > 0 and lw["prefetch_bytes"] > 0 and 0 <= lw["overlap"] <= 1
     assert all(set(t) == {"name", "value", "target", "met"} for t in r["targets"])
     assert r["targets"][-1]["met"]                      # greedy outputs identical across the systems
-    req = r["results"]["request-level"]
-    for i, system in enumerate(("layer-wise", "layer-wise+slo")):   # the targets, from the figures it reports
-        res = r["results"][system]
-        assert r["targets"][3 * i]["value"] == pytest.approx(req["ttft_p99_s"] / res["ttft_p99_s"], rel=1e-12)
-        assert r["targets"][3 * i + 1]["value"] == pytest.approx(1 - res["throughput_tok_s"] / req["throughput_tok_s"],
-                                                                 rel=1e-9, abs=1e-12)
+    assert set(r["missed"]) == {t["name"] for t in r["targets"] if not t["met"]}   # each with its measured figures
+    assert r["repeats"] == len(r["rounds"]) == 2
+    for system, res in r["results"].items():         # medians of the rounds (of two: the mean), spread [min, max]
+        for key, (lo, hi) in r["spread"][system].items():
+            runs = [rd["results"][system][key] for rd in r["rounds"]]
+            assert (lo, hi) == (min(runs), max(runs)) and res[key] == pytest.approx(sum(runs) / 2, rel=1e-12)
+    for i, system in enumerate(("layer-wise", "layer-wise+slo")):   # the targets, from the figures of each round
+        ratio, cost = [], []
+        for rd in r["rounds"]:
+            req, res = rd["results"]["request-level"], rd["results"][system]
+            ratio.append(req["ttft_p99_s"] / res["ttft_p99_s"])
+            cost.append(1 - res["throughput_tok_s"] / req["throughput_tok_s"])
+        assert r["target_runs"][r["targets"][3 * i]["name"]] == pytest.approx(ratio, rel=1e-12)
+        assert r["targets"][3 * i]["value"] == pytest.approx(sum(ratio) / 2, rel=1e-12)
+        assert r["targets"][3 * i + 1]["value"] == pytest.approx(sum(cost) / 2, rel=1e-9, abs=1e-12)
     # throughput x makespan: the tokens generated, the same for every system (5 requests x 4-8 tokens)
-    generated = [res["throughput_tok_s"] * res["makespan_s"] for res in r["results"].values()]
+    generated = [res["throughput_tok_s"] * res["makespan_s"] for res in r["rounds"][0]["results"].values()]
     assert all(g == pytest.approx(round(generated[0]), rel=1e-9) for g in generated) and 20 <= round(generated[0]) <= 40
     assert "targets" in capsys.readouterr().out
 
@@ -39,6 +48,7 @@ def test_bench_ttft_smoke(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [(["--prompt-tokens", "9-3"], "LO <= HI"),
                                            (["--requests", "0"], "--requests must be >= 1"),
                                            (["--device-requests", "0.5"], "--device-requests must be >= 1"),
+                                           (["--repeats", "0"], "--repeats must be >= 1"),
                                            (["--slo-safety", "0.9"], "--slo-safety must be >= 1")])
 def test_bench_ttft_refuses_bad_flags(tmp_path, capsys, args, message):
     try:

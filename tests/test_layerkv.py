@@ -75,8 +75,11 @@ def test_greedy_equals_single_tier(case, name):
     engine = LLMEngine(model, EngineConfig(block_size=8, layer_kv=True, **knobs))
     assert checked_run(engine, ps, params) == ref
     dev, copier = engine.block_manager.device, engine.layer_kv.copier
-    assert copier.bytes["offload"] > 0 and dev.used == 0 and not dev.tables
-    if name != "roomy":
+    assert dev.used == 0 and not dev.tables and not dev.stale
+    if name == "roomy":      # every layer stays resident: nothing offloaded; cached blocks written back at release
+        assert copier.bytes["offload"] == 0 and copier.bytes["writeback"] > 0
+    else:                    # (one attention layer: resident whenever admitted, so nothing offloaded)
+        assert copier.bytes["offload"] > 0 or kind == "qwen3_next"
         assert copier.bytes["prefetch"] > 0
         assert dev.num_demotions > 0 or kind == "qwen3_next"     # one attention layer: nothing to demote
     if name == "preemption":
@@ -153,6 +156,91 @@ def test_decode_reads_the_kv_written_at_prefill():
     tiered.block_manager.device.check()
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_resident_layers_are_not_written_through(prefix_caching):
+    """4 layers, blocks of 8, a 37-token prompt, 4 greedy tokens (40 computed tokens, 5 blocks), a device
+    tier of 18 layer-blocks: the sequence keeps layer 0 resident throughout (5 + staging 2·5 = 15 ≤ 18;
+    two layers would need 20, as would all four). Only layers 1–3 go to the host while it runs (40
+    tokens each); at release, with prefix caching, the 5 cached blocks of layer 0 are written back once
+    (40 tokens), and without it nothing is."""
+    torch.manual_seed(0)
+    model = load_model_tiny()
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = LLMEngine(model, EngineConfig(block_size=8)).generate([prompt], params)[0].token_ids
+    engine = LLMEngine(model, EngineConfig(block_size=8, layer_kv=True, device_kv_blocks=18,
+                                           enable_prefix_caching=prefix_caching))
+    lkv, dev = engine.layer_kv, engine.block_manager.device
+    engine.add_request(prompt, params)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        for s in engine.scheduler.running:          # while it runs: layer 0 is never written to the host
+            seen.append(dev.resident_layers(s))
+            assert lkv.host_write_tokens == [0] + [s.num_computed_tokens] * 3
+    assert set(seen) == {1}
+    assert [c.token_ids for rid in list(engine.requests) for c in engine.pop_finished(rid)] == [want]
+    token_bytes = 2 * model.config.num_key_value_heads * model.config.head_dim * 4      # k and v, float32
+    assert lkv.copier.bytes["offload"] == 3 * 40 * token_bytes                         # layers 1–3 only
+    written = 40 if prefix_caching else 0
+    assert lkv.host_write_tokens == [written, 40, 40, 40]
+    assert lkv.copier.bytes["writeback"] == written * token_bytes
+    assert not dev.stale and dev.used == 0
+
+
+def test_admission_predicts_the_uncached_tokens():
+    """The hand-made setting below (1 ms/token, slack 0.4 s, α = 1.2: 333 tokens fit) with a 400-token
+    prompt whose first 320 tokens are in the prefix cache: its forward computes 80 tokens (0.096 s with
+    α), so it is admitted; a 400-token prompt with nothing cached is not."""
+    from arbor.engine.policies.slo_admission import PrefillTimeModel
+    engine = LLMEngine(load_model_tiny(), EngineConfig(layer_kv=True, policy="layerkv", tpot_slo=0.1,
+                                                       slo_safety=1.2))
+    head = [(7 * i) % 64 for i in range(320)]
+    engine.generate([head + [1, 2, 3]], SamplingParams(temperature=0, max_tokens=1))   # caches 20 blocks of 16
+    timing = engine.layer_kv.timing = PrefillTimeModel()
+    for n in (100, 200, 300):
+        timing.observe(n, 0, n / 1000)
+    now = 1000.0
+    sched = engine.scheduler
+    sched.running.append(running_decode(now))
+
+    def waiting(tokens):
+        s = Sequence("w", 0, tokens, SamplingParams(), frozenset(), 4)
+        s.arrival = now
+        return s
+
+    hit = waiting(head + [5] * 80)
+    assert engine.block_manager.cached_tokens(hit) == 320
+    assert sched.policy.admissible(sched, hit, now)
+    assert not sched.policy.admissible(sched, waiting([5] * 400), now)
+    sched.running.clear()
+
+
+def running_decode(now):
+    """A decode with 4 tokens after its first, 10 to go, 1 s since its first token (slack 0.4 s at TPOT SLO 0.1 s)."""
+    running = Sequence("r", 0, [1, 2, 3, 4], SamplingParams(max_tokens=15), frozenset(), 15)
+    for t in range(5):
+        running.append(5 + t, 0.0, None)
+    running.num_computed_tokens = len(running) - 1
+    running.first_token_time = now - 1.0
+    running.status = SequenceStatus.RUNNING
+    return running
+
+
+def test_copier_keeps_submission_order():
+    """A copy small enough to run inline waits for the worker's queued jobs (it may read what they write)."""
+    import threading
+    from arbor.engine.kv.transfer import Copier
+    copier, order, gate = Copier("cpu", inline_bytes=1 << 20), [], threading.Event()
+    big = copier.submit(lambda: (gate.wait(5), order.append("big")), 1 << 30, "offload")
+    small = copier.submit(lambda: order.append("small"), 1, "prefetch")
+    gate.set()
+    copier.wait(big)
+    copier.wait(small)
+    copier.close()
+    assert order == ["big", "small"]
+
+
 def load_model_tiny():
     from arbor.models import CausalLM, ModelConfig
     return CausalLM(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8,
@@ -171,14 +259,8 @@ def test_admission_refuses_a_prefill_longer_than_the_smallest_slack():
     timing.observe(300, 0, 0.3)
     assert timing.prefill(300) == pytest.approx(0.3) and timing.decode_step(1) == pytest.approx(0.0, abs=1e-9)
     now = 1000.0
-    running = Sequence("r", 0, [1, 2, 3, 4], SamplingParams(max_tokens=15), frozenset(), 15)
-    for t in range(5):
-        running.append(5 + t, 0.0, None)
-    running.num_computed_tokens = len(running) - 1
-    running.first_token_time = now - 1.0
-    running.status = SequenceStatus.RUNNING
     sched = engine.scheduler
-    sched.running.append(running)
+    sched.running.append(running_decode(now))
     policy = sched.policy
 
     def waiting(n):

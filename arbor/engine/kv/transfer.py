@@ -7,7 +7,8 @@ until the job ran (on CUDA it also makes the caller's stream wait for the copy s
 On CUDA a job starts only after the compute stream reached the point where it was submitted
 (an event recorded at submission), so a prefetch never overwrites staging blocks a kernel still reads.
 
-Measured: ``bytes`` per kind (``offload``: device → host, ``prefetch``: host → device), ``busy_s``
+Measured: ``bytes`` per kind (``offload``: an offloaded layer's new KV, device → host; ``writeback``:
+a resident layer's blocks leaving the device tier, device → host; ``prefetch``: host → device), ``busy_s``
 (seconds the worker spent copying), ``wait_s`` (seconds callers were blocked in ``wait``);
 ``overlap = 1 − wait_s / busy_s`` is the fraction of copy time hidden behind compute.
 """
@@ -52,18 +53,21 @@ class Copier:
         self.inline_bytes = inline_bytes
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.bytes = {"offload": 0, "prefetch": 0}
+        self.bytes = {"offload": 0, "writeback": 0, "prefetch": 0}
         self.busy_s = self.wait_s = 0.0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Job | None = None       # the last job handed to the worker
         self.thread = threading.Thread(target=self._work, name="kv-copy", daemon=True)
         self.thread.start()
         _LIVE.add(self)
 
     def submit(self, fn, nbytes: int, kind: str) -> Job:
         """Queue ``fn()`` (a few tensor copies) on the worker; → its job. On CPU a copy smaller than
-        ``inline_bytes`` runs at once on the calling thread (a hand-off to the worker costs more)."""
+        ``inline_bytes`` runs at once on the calling thread (a hand-off to the worker costs more) when
+        the worker is idle, so jobs still run in submission order."""
         job = Job(fn, nbytes, kind)
-        if not self.cuda and nbytes < self.inline_bytes:
+        idle = self._last is None or self._last.done.is_set()
+        if not self.cuda and nbytes < self.inline_bytes and idle:
             t0 = time.perf_counter()
             fn()
             self.busy_s += time.perf_counter() - t0
@@ -74,6 +78,7 @@ class Copier:
         if self.cuda:
             job.start_event = torch.cuda.Event()
             job.start_event.record(torch.cuda.current_stream(self.device))
+        self._last = job
         self._q.put(job)
         return job
 
@@ -95,12 +100,13 @@ class Copier:
         return 1.0 - min(1.0, self.wait_s / self.busy_s) if self.busy_s > 0 else 1.0
 
     def stats(self) -> dict:
-        return {"offload_bytes": self.bytes["offload"], "prefetch_bytes": self.bytes["prefetch"],
+        return {"offload_bytes": self.bytes["offload"], "writeback_bytes": self.bytes["writeback"],
+                "prefetch_bytes": self.bytes["prefetch"],
                 "copy_busy_s": self.busy_s, "copy_wait_s": self.wait_s, "overlap": self.overlap}
 
     def bandwidth(self) -> float | None:
         """Measured bytes per second of the worker (None before any copy)."""
-        total = self.bytes["offload"] + self.bytes["prefetch"]
+        total = sum(self.bytes.values())
         return total / self.busy_s if self.busy_s > 0 and total else None
 
     def close(self) -> None:

@@ -9,9 +9,12 @@ Per forward (``TieredAttention``), with L attention layers and a sequence s keep
   copies of prefix-cache hits of resident layers; prefetch(0) and prefetch(1) start with the forward,
   prefetch(a + 2) right after layer a attended (it reuses layer a's buffer), so layer a + 1 computes
   while layer a + 2's KV comes in;
-- offload(a): right after layer a wrote its new k, v into device blocks, the same k, v are copied to
-  their host slots (write-through) while the rest of the model runs;
-- the forward returns only when every copy finished, so between steps the host tier holds all KV.
+- offload(a): right after layer a wrote its new k, v into device blocks, those of the sequences for
+  which layer a is offloaded (a ≥ r_s) are copied to their host slots while the rest of the model
+  runs; a resident layer's new KV stays on the device only (its host blocks go stale, written back
+  when they leave the device tier: ``arbor.engine.kv.tiers``);
+- the write-backs queued since the last forward (``LayerKV.flush``) finish before layer 0 writes a
+  device block, and the forward returns only when every copy finished.
 Copies run on the ``Copier`` worker (a thread on CPU, a CUDA stream on GPU). The attention over the
 device blocks is ``PagedAttention`` itself (one per layer, shared by layers with equal tables), so
 the numbers are the single-tier engine's.
@@ -54,6 +57,11 @@ class TieredAttention:
         self.host_slots = torch.tensor(host_slots, dtype=torch.long)
         dev.promote()
         resident = [dev.resident_layers(s) for s in seqs]
+        for s, c, n in zip(seqs, starts, lengths):
+            dev.mark_written(s, c // bs, (c + n - 1) // bs)
+        self.offload_plans = self._offload_plans(resident, lengths, device)
+        tiers.flush()
+        self.writebacks, tiers.writebacks = tiers.writebacks, []
         span = [-(-(c + n) // bs) for c, n in zip(starts, lengths)]
         stage = [[dev.take_staging(w) if any(a % 2 == buf for a in range(r, L)) else None
                   for r, w in zip(resident, span)] for buf in (0, 1)]
@@ -84,6 +92,26 @@ class TieredAttention:
         for a in range(min(2, L)):
             self.jobs[a] = self._prefetch(a)
 
+    def _offload_plans(self, resident, lengths, device) -> list:
+        """Per layer: None (no sequence offloads it), or (rows of the batch's new tokens or None for
+        all, their host slots) of the sequences that offload it."""
+        plans, built, L = [], {}, self.num_layers
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        for a in range(L):
+            key = tuple(i for i, r in enumerate(resident) if a >= r)
+            if key not in built:
+                if not key:
+                    built[key] = None
+                elif len(key) == len(resident):
+                    built[key] = (None, self.host_slots)
+                else:
+                    rows = torch.tensor([t for i in key for t in range(offsets[i], offsets[i + 1])], dtype=torch.long)
+                    built[key] = (rows.to(device), self.host_slots[rows])
+            plans.append(built[key])
+        return plans
+
     def _prefetch(self, a: int):
         src, dst = self.plans[a]
         if not len(src):
@@ -101,9 +129,22 @@ class TieredAttention:
 
     def attend(self, layer_idx, q, k, v, scale):
         a = self.layer_map[layer_idx]
+        while self.writebacks:                  # they read device blocks this forward may overwrite
+            self.copier.wait(self.writebacks.pop())
         self.copier.wait(self.jobs[a])
         out = self.layers[a].attend(layer_idx, q, k, v, scale)
-        host, slots = self.runner.kv, self.host_slots
+        if self.offload_plans[a] is not None:
+            self._offload(a, k, v, *self.offload_plans[a])
+        if a + 2 < self.num_layers:
+            self.jobs[a + 2] = self._prefetch(a + 2)
+        return out
+
+    def _offload(self, a: int, k, v, rows, slots) -> None:
+        """Copy the new k, v of layer a at ``rows`` (None: all) to their host ``slots`` on the copy engine."""
+        if rows is not None:
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
+        host = self.runner.kv
+        self.runner.tiers.host_write_tokens[a] += len(slots)
 
         def offload():
             kh, vh = k.to("cpu", non_blocking=True), v.to("cpu", non_blocking=True)
@@ -113,14 +154,11 @@ class TieredAttention:
             host.v[a].index_copy_(0, slots, vh)
 
         self.offloads.append(self.copier.submit(offload, 2 * k.nbytes, "offload"))
-        if a + 2 < self.num_layers:
-            self.jobs[a + 2] = self._prefetch(a + 2)
-        return out
 
     def finish(self) -> None:
         """Wait for every copy of this forward and hand the staging blocks back."""
         try:
-            for job in self.offloads + self.jobs:
+            for job in self.writebacks + self.offloads + self.jobs:
                 self.copier.wait(job)
         finally:
             self.tier.return_staging()
@@ -139,6 +177,7 @@ class LayerKVRunner(ModelRunner):
         self._attn: TieredAttention | None = None
         self._scratch: list[torch.Tensor | None] = [None, None]
         self._pinned = torch.device(self.device).type == "cuda"
+        tiers.host_kv, tiers.pool = self.kv, self.pool
 
     def scratch(self, j: int, num_blocks: int) -> torch.Tensor:
         """A reused host buffer [num_blocks, block_size, Hkv, D] for k (j = 0) or v (j = 1) of one

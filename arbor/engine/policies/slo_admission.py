@@ -7,13 +7,15 @@ e_i seconds since its first token, t_d the predicted decode-step time):
 
     slack_i = tpot_slo · (g_i + r_i) − e_i − r_i · t_d
 
-(time it can still lose with its mean TPOT within the SLO). A waiting prefill of n tokens is
-admitted when ``α · T(n) ≤ min_i slack_i`` (T: the per-token prefill model fitted online, α: the
-safety factor ``slo_safety``) and the bytes it puts through the copy engine (the write-through of
-all its layers) are copyable within ``T(n)`` at the measured copy bandwidth. Without running
-decodes, or before the model has two measured prefills, a prefill is admitted. A request whose
-wait plus ``α · T(n)`` reaches ``ttft_slo`` is admitted regardless: waiting longer would cost it its
-TTFT SLO (or it has missed it already, and waiting only makes it later), so no request starves.
+(time it can still lose with its mean TPOT within the SLO). A waiting prefill whose prompt has n
+tokens the prefix cache does not hold (the tokens its forwards will compute; T is fitted on those)
+is admitted when ``α · T(n) ≤ min_i slack_i`` (T: the per-token prefill model fitted online, α: the
+safety factor ``slo_safety``) and the bytes it puts through the copy engine (the n tokens' KV of
+the layers that do not fit the device tier's free budget) are copyable within ``T(n)`` at the
+measured copy bandwidth. Without running decodes, or before the model has two measured prefills, a
+prefill is admitted. A request whose wait plus ``α · T(n)`` reaches ``ttft_slo`` is admitted
+regardless: waiting longer would cost it its TTFT SLO (or it has missed it already, and waiting only
+makes it later), so no request starves.
 """
 
 from __future__ import annotations
@@ -94,12 +96,14 @@ class LayerKVPolicy(Mixed):
         if not decodes or not model.ready:
             return True
         step = model.decode_step(len(decodes))
-        predicted = model.prefill(len(seq))
+        uncached = len(seq) - s.bm.cached_tokens(seq)
+        predicted = model.prefill(uncached)
         if tiers.ttft_slo is not None and now - seq.arrival + tiers.slo_safety * predicted >= tiers.ttft_slo:
             return True     # its last chance to meet the TTFT SLO (or already past it)
         ok = tiers.slo_safety * predicted <= min(slack(r, tpot_slo, step, now) for r in decodes)
         bandwidth = tiers.copier.bandwidth()
         if ok and bandwidth:
-            ok = tiers.write_through_bytes(len(seq)) / bandwidth <= predicted
+            resident = tiers.device.resident_fit(s.bm.blocks_needed(len(seq)))
+            ok = tiers.offload_bytes(uncached, resident) / bandwidth <= predicted
         tiers.num_deferrals += not ok
         return ok
