@@ -16,9 +16,12 @@ def test_bench_runs_and_writes_targets(tmp_path):
     save_model(build_model(tok, tiny), tmp_path / "cache" / f"v{DATA_VERSION}_base_b{BLOCK_SIZE}_s3", tokenizer=tok)
     cli_main(["bench", "dllm-rl", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--base-steps", "3",
               "--tasks", "countdown", "--seeds", "1", "--steps", "2", "--groups", "2", "--group-size", "2",
-              "--eval-n", "4", "--eval-every", "1", "--rollout-mode", "threshold"])
+              "--eval-n", "4", "--eval-every", "1", "--rollout-mode", "threshold", "--oracle-steps", "2"])
     result = json.loads((tmp_path / "out" / "dllm-rl.json").read_text())
     assert {t["name"].split(" ")[0] for t in result["targets"]} == {"EBPO"} and len(result["targets"]) == 3
+    assert {r["estimator"] for r in result["runs"]} == {"ebpo", "espo", "mean_field", "oracle_sft"}   # default systems
+    assert {"countdown/sft_base", "countdown/ebpo", "countdown/espo", "countdown/mean_field",
+            "countdown/oracle_sft"} <= set(result["summary"])
     assert all(set(t) == {"name", "value", "target", "met"} for t in result["targets"])
     assert [s for s, _ in result["runs"][0]["curve"]] == [0, 1, 2]
     assert (tmp_path / "out" / "dllm-rl.png").exists()

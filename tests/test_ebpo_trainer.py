@@ -38,7 +38,7 @@ def cfg_for(model, out, estimator="ebpo", steps=3):
                                          "log.tensorboard=false", "optim.lr=1e-2", "mini_batches=2"])
 
 
-@pytest.mark.parametrize("estimator", ["ebpo", "mean_field"])
+@pytest.mark.parametrize("estimator", ["ebpo", "espo", "mean_field"])
 def test_train_resume_is_bit_identical(dllm_dir, tmp_path, estimator):
     full = build_trainer(cfg_for(dllm_dir, tmp_path / "a", estimator))
     assert type(full).__name__ == "EBPOTrainer"
@@ -58,8 +58,11 @@ def test_train_resume_is_bit_identical(dllm_dir, tmp_path, estimator):
 
 
 def test_config_keys_are_validated():
-    with pytest.raises(ValueError, match="dllm.estimator"):
+    with pytest.raises(ValueError, match="dllm.estimator.*'ebpo', 'ebpo_block', 'espo', 'mean_field'"):
         configs.load(RLConfig, None, ["dllm.estimator='wd1'"])
+    with pytest.raises(ValueError, match="dllm.espo_mc"):
+        configs.load(RLConfig, None, ["dllm.espo_mc=0"])
+    assert configs.load(RLConfig, None, ["dllm.estimator='ebpo_block'"]).dllm.estimator == "ebpo_block"
     with pytest.raises(ValueError, match="dllm.levels"):
         configs.load(RLConfig, None, ["dllm.levels=[0.0, 0.5]"])
     with pytest.raises(ValueError, match="dllm.group_size"):

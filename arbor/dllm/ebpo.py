@@ -1,36 +1,62 @@
-"""Likelihood estimators and the clipped objective of RL on block-diffusion LMs (LLaDA2.1's EBPO,
-and the one-step mean-field estimate of d1 / diffu-GRPO as the baseline).
+"""Likelihood estimators and the clipped objective of RL on block-diffusion LMs: LLaDA2.1's EBPO, its
+per-block variant, ESPO's sequence-level ELBO ratio and the one-step mean-field estimate of d1 /
+diffu-GRPO. ``dllm.estimator`` picks one; each gives log-likelihood *units*, and ``ebpo_loss`` takes
+one clipped ratio per unit.
 
 A sample is a prompt x (P tokens, absolute positions 0…P−1) and a response y (L tokens after it);
 block b covers absolute positions [b·B, (b+1)·B) and the response blocks are b0 = ⌊P/B⌋ … ⌊(P+L−1)/B⌋.
 
-EBPO (``elbo_blocks``): masking levels t_1…t_N (default 0.25, 0.5, 0.75, 1.0) with weights
-w_n = 1/(N·t_n), i.e. a midpoint-free N-point quadrature of LLaDA's bound E_{t~U(0,1]}[(1/t)·Σ_masked
-log p]. For each level, one forward over every sample's [noisy ⊕ clean] sequence:
+Block ELBOs (``elbo_blocks``): a step's noise is N masks per sample with a weight w_{n,s} each. For
+each n, one forward over every sample's [noisy ⊕ clean] sequence:
 
-    noisy = x ⊕ y_{t_n} from block b0 on (each response token masked w.p. t_n; prompt tokens never),
-    clean = x ⊕ y       up to the start of the last response block (the keys later noisy blocks need),
+    noisy = x ⊕ y_n from block b0 on (the response tokens of mask n replaced by [MASK]; prompt never),
+    clean = x ⊕ y   up to the start of the last response block (the keys later noisy blocks need),
 
 both at their absolute positions, with the block-causal mask M (BD3-LM): a noisy token of block b
 sees the noisy tokens of block b and the clean tokens of blocks < b; a clean token of block b sees
 the clean tokens of blocks ≤ b. So a noisy block computes exactly what the decoder computes for
 that block (finished blocks clean, this block noisy), and one forward gives every block's
 
-    ELBO_b = Σ_n w_n Σ_{i ∈ b, masked at t_n} log p_θ(y_i | z_n, x; M)
+    ELBO_b = Σ_n w_{n,s} Σ_{i ∈ b, masked in n} log p_θ(y_i | z_n, x; M)
 
-(the mask token is excluded from the softmax, as in the decoder). Per block, r_b = exp(ELBO_b(θ) −
-ELBO_b(θ_old)) with the *same* masks for θ and θ_old (``draw_noise`` once per step), so r ≡ 1 at
-θ = θ_old exactly. ``elbo_blocks_loop`` computes the same value one block and one level at a time
-(the decoder's view: clean prefix ⊕ noisy block under ``BlockDiffusionAttention``); the tests hold
-the two equal.
+(the mask token is excluded from the softmax, as in the decoder). The same masks serve θ and θ_old
+(drawn once per step), so every ratio is exactly 1 at θ = θ_old. ``elbo_blocks_loop`` computes the
+same value one block and one mask at a time (the decoder's view: clean prefix ⊕ noisy block under
+``BlockDiffusionAttention``); the tests hold the two equal.
 
-Mean field (``mean_field_logprobs``, d1): one forward of x̃ ⊕ [mask]^L, x̃ = the prompt with each
-token masked w.p. ``prompt_mask_prob`` (the same draw for θ and θ_old); the per-token log p(y_i)
-is the log-likelihood proxy and the ratio is per token.
+``ebpo`` — LLaDA2.1 (arXiv 2602.08676), as transcribed in the project's spec (specs/diffusion.md; the
+paper's own text was not reachable from here): one ratio per *sequence*, the sum of the block-level
+ELBO contributions, clipped once:
+
+    J = E[ min(ρ·Â, clip(ρ, 1 − ε_low, 1 + ε_high)·Â) ]
+    log ρ(y|x) ≈ Σ_n w_n Σ_b [ log p_θ(y^b | z_n, x; M) − log p_θold(y^b | z_n, x; M) ]
+
+with ``draw_noise``: levels t_n (``dllm.levels``, default 0.25, 0.5, 0.75, 1.0; each response token
+masked w.p. t_n) and w_n = 1/(N·t_n), an N-point quadrature of LLaDA's E_{t~U(0,1]}[(1/t)·Σ_masked
+log p] (the paper publishes neither; these are our choice).
+
+``ebpo_block`` — the per-block variant: r_b = exp(ELBO_b(θ) − ELBO_b(θ_old))
+clipped per block, averaged over the sample's blocks. With every response inside one block (Countdown
+at block 64) it equals ``ebpo``.
+
+``espo`` — ESPO (Ou et al., arXiv 2512.03759, and its code ML-GSAI/ESPO): the sequence ELBO, one
+ratio per sequence with per-token normalisation,
+
+    ρ(y|x) = exp( (ELBO_θ(y|x) − ELBO_θold(y|x)) / L ),
+
+its ELBO estimated as ESPO's code does (``draw_espo_noise``): per draw, x ∈ {0…L} masked tokens
+(stratified over the step's samples: u_s = (u_0 + s/S) mod 1, x = ⌊u_s·(L+1)⌋), chosen uniformly,
+weight (L+1)/x, and the antithetic draw that masks the complement with weight (L+1)/(L−x), the pair
+averaged: an unbiased estimate of LLaDA's bound Σ_{l=1..L} (1/l)·E_{|M|=l}[Σ_{i∈M} log p(y_i | y_M̄)].
+Here the ELBO is the block-diffusion model's (the sum of its block ELBOs, as in ``ebpo``).
+
+``mean_field`` (``mean_field_logprobs``, d1): one forward of x̃ ⊕ [mask]^L, x̃ = the prompt with each
+token masked w.p. ``prompt_mask_prob`` (the same draw for θ and θ_old); the per-token log p(y_i) is
+the log-likelihood proxy and the ratio is per token.
 
 ``ebpo_loss`` is the PPO surrogate of ``arbor.train.losses.policy_loss`` (asymmetric clip ε_low,
-ε_high, optional dual clip; no mismatch correction) over units — blocks for EBPO, tokens for mean
-field — averaged per sample over its units, then over samples.
+ε_high, optional dual clip; no mismatch correction) over the units — sequences (``ebpo``, ``espo``),
+blocks (``ebpo_block``), tokens (``mean_field``) — averaged per sample over its units, then over samples.
 """
 
 from __future__ import annotations
@@ -49,23 +75,54 @@ from arbor.train.losses import LossConfig, policy_loss
 
 @dataclass
 class Noise:
-    """One step's noise draws: ``levels`` [N] and, per level, per sample, a bool mask over the
-    response (True = masked); ``prompt_masks`` per sample over the prompt (mean field)."""
+    """One step's noise draws: per draw n, per sample s, a bool mask over the response (True = masked)
+    and its weight w_{n,s}; ``prompt_masks`` per sample over the prompt (mean field); ``levels`` the
+    masking levels t_n of EBPO's quadrature (empty for ESPO's per-sample draws)."""
     levels: list[float]
     response_masks: list[list[torch.Tensor]]
     prompt_masks: list[torch.Tensor]
+    weights: list[list[float]]
 
-
-def draw_noise(prompt_lens: list[int], response_lens: list[int], levels, prompt_mask_prob: float = 0.15,
-               seed: int = 0) -> Noise:
-    g = torch.Generator().manual_seed(seed)
-    resp = [[torch.rand(n, generator=g) < t for n in response_lens] for t in levels]
-    prompt = [torch.rand(n, generator=g) < prompt_mask_prob for n in prompt_lens]
-    return Noise(list(levels), resp, prompt)
+    def select(self, idx: list[int]) -> "Noise":
+        """The draws of samples ``idx`` (a mini-batch), in that order."""
+        return replace(self, response_masks=[[m[i] for i in idx] for m in self.response_masks],
+                       prompt_masks=[self.prompt_masks[i] for i in idx],
+                       weights=[[w[i] for i in idx] for w in self.weights])
 
 
 def level_weights(levels) -> list[float]:
     return [1.0 / (len(levels) * t) for t in levels]
+
+
+def draw_noise(prompt_lens: list[int], response_lens: list[int], levels, prompt_mask_prob: float = 0.15,
+               seed: int = 0) -> Noise:
+    """EBPO's draws: at level t_n every response token masked w.p. t_n, weight w_n = 1/(N·t_n)."""
+    g = torch.Generator().manual_seed(seed)
+    resp = [[torch.rand(n, generator=g) < t for n in response_lens] for t in levels]
+    prompt = [torch.rand(n, generator=g) < prompt_mask_prob for n in prompt_lens]
+    return Noise(list(levels), resp, prompt, [[w] * len(response_lens) for w in level_weights(levels)])
+
+
+def draw_espo_noise(prompt_lens: list[int], response_lens: list[int], num_mc: int = 2, seed: int = 0) -> Noise:
+    """ESPO's draws (module docstring): ``num_mc`` stratified draws per sample, each followed by its
+    antithetic complement, so 2·``num_mc`` masks; weights (L+1)/(2·x·num_mc) and (L+1)/(2·(L−x)·num_mc)
+    (0 where a mask is empty)."""
+    g = torch.Generator().manual_seed(seed)
+    S, masks, weights = len(response_lens), [], []
+    for _ in range(num_mc):
+        u0 = float(torch.rand((), generator=g, dtype=torch.float64))
+        draw, comp, w, wc = [], [], [], []
+        for s, L in enumerate(response_lens):
+            x = min(int(((u0 + s / S) % 1.0) * (L + 1)), L)
+            m = torch.zeros(L, dtype=torch.bool)
+            m[torch.randperm(L, generator=g)[:x]] = True
+            draw.append(m)
+            comp.append(~m)
+            w.append((L + 1) / (2 * x * num_mc) if x else 0.0)
+            wc.append((L + 1) / (2 * (L - x) * num_mc) if x < L else 0.0)
+        masks += [draw, comp]
+        weights += [w, wc]
+    return Noise([], masks, [torch.zeros(n, dtype=torch.bool) for n in prompt_lens], weights)
 
 
 class NoisyCleanAttention:
@@ -118,13 +175,13 @@ def _blocks(P: int, L: int, B: int) -> tuple[int, int]:
 
 def elbo_blocks(model, prompts: list[list[int]], responses: list[list[int]], noise: Noise):
     """→ (ELBO [S, U], valid [S, U]): per sample, per response block (U = most blocks of any sample),
-    one forward per masking level (see module docstring)."""
+    one forward per draw of ``noise`` (see module docstring)."""
     dev, B, mask_id = model.device, model.config.block_size, model.config.mask_token_id
     S = len(prompts)
     spans = [_blocks(len(x), len(y), B) for x, y in zip(prompts, responses)]
     U = max(bl - b0 + 1 for b0, bl in spans)
     total = None
-    for n, (t, w) in enumerate(zip(noise.levels, level_weights(noise.levels))):
+    for n, w in enumerate(noise.weights):
         ids, pos, noisy, rows, targets, units = [], [], [], [], [], []
         offset = 0
         for s, (x, y) in enumerate(zip(prompts, responses)):
@@ -148,20 +205,21 @@ def elbo_blocks(model, prompts: list[list[int]], responses: list[list[int]], noi
         rows, targets, units = (torch.cat(v).to(dev) for v in (rows, targets, units))
         lp = _logp(model, hidden[rows], targets)
         level = torch.zeros(S * U, dtype=lp.dtype, device=dev).index_add(0, units, lp)
-        total = level * w if total is None else total + level * w
+        level = level * torch.tensor(w, dtype=lp.dtype, device=dev).repeat_interleave(U)
+        total = level if total is None else total + level
     valid = torch.tensor([[u <= bl - b0 for u in range(U)] for b0, bl in spans], device=dev)
     return total.view(S, U), valid
 
 
 def elbo_blocks_loop(model, prompts, responses, noise: Noise):
-    """The reference: ``elbo_blocks`` one sample, level and block at a time, each block as the decoder
+    """The reference: ``elbo_blocks`` one sample, draw and block at a time, each block as the decoder
     sees it (clean prefix ⊕ noisy block, ``BlockDiffusionAttention``). → (ELBO [S, U], valid [S, U])."""
     dev, B, mask_id = model.device, model.config.block_size, model.config.mask_token_id
     spans = [_blocks(len(x), len(y), B) for x, y in zip(prompts, responses)]
     U = max(bl - b0 + 1 for b0, bl in spans)
     out = torch.zeros(len(prompts), U, dtype=torch.float64, device=dev)
-    for n, w in enumerate(level_weights(noise.levels)):
-        for s, (x, y) in enumerate(zip(prompts, responses)):
+    for n, ws in enumerate(noise.weights):
+        for s, (x, y, w) in enumerate(zip(prompts, responses, ws)):
             P, T = len(x), len(x) + len(y)
             clean = torch.tensor(list(x) + list(y), dtype=torch.long, device=dev)
             masked = torch.zeros(T, dtype=torch.bool, device=dev)
@@ -206,12 +264,20 @@ def mean_field_logprobs(model, prompts, responses, noise: Noise):
 
 
 def unit_logprobs(model, prompts, responses, noise: Noise, estimator: str = "ebpo"):
-    """The estimator's per-unit log-likelihoods: EBPO blocks or mean-field tokens."""
-    if estimator == "ebpo":
-        return elbo_blocks(model, prompts, responses, noise)
+    """The estimator's log-likelihood units → (logp [S, U], valid [S, U]): the sequence ELBO Σ_b ELBO_b
+    (``ebpo``, U = 1), the block ELBOs (``ebpo_block``), the sequence ELBO ÷ L (``espo``, U = 1), the
+    per-token log p (``mean_field``, U = longest response)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     if estimator == "mean_field":
         return mean_field_logprobs(model, prompts, responses, noise)
-    raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    elbo, valid = elbo_blocks(model, prompts, responses, noise)
+    if estimator == "ebpo_block":
+        return elbo, valid
+    seq = elbo.sum(1, keepdim=True)                        # invalid blocks hold exact zeros
+    if estimator == "espo":
+        seq = seq / torch.tensor([[max(1, len(y))] for y in responses], dtype=seq.dtype, device=seq.device)
+    return seq, torch.ones_like(seq, dtype=torch.bool)
 
 
 def ebpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,

@@ -1,7 +1,8 @@
-"""``arbor train`` on a block-diffusion model: GRPO-style RL with EBPO's block-ELBO ratio (or the
-mean-field baseline), sharing the RL job's config (``RLConfig`` with its ``dllm`` section), the trainer loop
-(``arbor.train.rl.rl_run``: ``RunLog``, checkpoints and resume) and its ``run / evaluate`` shape, so
-``arbor train`` and ``arbor eval`` drive either trainer.
+"""``arbor train`` on a block-diffusion model: GRPO-style RL with LLaDA2.1's EBPO ratio (or its per-block
+variant, ESPO, or the mean-field baseline: ``dllm.estimator``, see ``arbor.dllm.ebpo``), sharing the RL
+job's config (``RLConfig`` with its ``dllm`` section), the trainer loop (``arbor.train.rl.rl_run``:
+``RunLog``, checkpoints and resume) and its ``run / evaluate`` shape, so ``arbor train`` and ``arbor
+eval`` drive either trainer.
 
 One step:
   1. ``groups_per_step`` training problems of the task (a diffusion task: sudoku, countdown,
@@ -10,9 +11,10 @@ One step:
      (seed, step) so a resumed run draws the same rollouts);
   2. rewards = the task's score of each decoded answer; advantages per group (``advantage``, GRPO
      or RLOO); samples with A = 0 take no forward (they add nothing but still count in the mean);
-  3. noise drawn once per step (``draw_noise``), then per mini-batch: log-likelihood units at θ_old
-     (no gradient), and for ``ppo_epochs`` passes the clipped surrogate ``ebpo_loss`` and an
-     optimizer step — the same masks for θ_old and θ, so the first update has r ≡ 1.
+  3. noise drawn once per step (``draw_noise``; ``draw_espo_noise`` for ESPO), then per mini-batch:
+     log-likelihood units at θ_old (no gradient), and for ``ppo_epochs`` passes the clipped
+     surrogate ``ebpo_loss`` and an optimizer step — the same masks for θ_old and θ, so the first
+     update has r ≡ 1.
 Single process only (``arbor launch`` is refused).
 """
 
@@ -20,14 +22,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 
 import torch
 
 from arbor.distributed import DistContext
 from arbor.dllm.decoding import DecodeConfig, diffusion_generate, mode_config
 from arbor.train.advantages import group_advantages
-from arbor.dllm.ebpo import draw_noise, ebpo_loss, unit_logprobs
+from arbor.dllm.ebpo import draw_espo_noise, draw_noise, ebpo_loss, unit_logprobs
 from arbor.train.checkpoint import settings_of
 from arbor.train.optim import make_optimizer, optimizer_step
 from arbor.train.rl import rl_run
@@ -86,13 +87,12 @@ class EBPOTrainer:
         if keep:
             x = [prompts[i] for i in keep]
             y = [self.response(results[i].tokens) for i in keep]
-            noise = draw_noise([len(p) for p in x], [len(r) for r in y], d.levels, d.prompt_mask_prob,
-                               seed=c.seed * 1_000_003 + self.step)
+            lens, seed = ([len(p) for p in x], [len(r) for r in y]), c.seed * 1_000_003 + self.step
+            noise = (draw_espo_noise(*lens, d.espo_mc, seed=seed) if d.estimator == "espo"
+                     else draw_noise(*lens, d.levels, d.prompt_mask_prob, seed=seed))
             parts = [keep_idx for keep_idx in (list(range(len(keep)))[m::c.mini_batches] for m in range(c.mini_batches))
                      if keep_idx]
-            sub = lambda idx: ([x[i] for i in idx], [y[i] for i in idx], replace(
-                noise, response_masks=[[lvl[i] for i in idx] for lvl in noise.response_masks],
-                prompt_masks=[noise.prompt_masks[i] for i in idx]))
+            sub = lambda idx: ([x[i] for i in idx], [y[i] for i in idx], noise.select(idx))
             with torch.no_grad():
                 old = [unit_logprobs(self.model, *sub(idx), d.estimator)[0] for idx in parts]
             self.model.train()

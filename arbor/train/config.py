@@ -32,7 +32,7 @@ from arbor.train.routepack_hook import PlanConfig
 from arbor.train.run_log import LogConfig
 from arbor.train.tree_batch import TreeConfig
 
-EBPO_ESTIMATORS = ("ebpo", "mean_field")
+EBPO_ESTIMATORS = ("ebpo", "ebpo_block", "espo", "mean_field")
 DLLM_MODES = ("quality", "speed", "threshold")
 CONTEXT_MARGIN = 64      # engine.max_model_len = rollout.max_context + this
 
@@ -63,9 +63,10 @@ class RLRolloutConfig(RolloutConfig):
 @dataclass
 class EBPOConfig:
     """The ``dllm`` section of ``arbor train``: what changes when the model is a block-diffusion LM."""
-    estimator: str = "ebpo"              # ebpo (block ELBO ratio) | mean_field (d1 / diffu-GRPO baseline)
+    estimator: str = "ebpo"              # ebpo (LLaDA2.1: one ratio per sequence) | ebpo_block | espo | mean_field (d1)
     group_size: int = 8                  # rollouts per prompt (GRPO group)
     levels: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])   # EBPO masking levels t_n
+    espo_mc: int = 2                     # espo: mask draws per sample, each with its antithetic complement (2 → 4 forwards)
     prompt_mask_prob: float = 0.15       # mean field: prompt tokens masked w.p. this
     mode: str = "quality"                # rollout decoder: quality | speed | threshold
     temperature: float = 1.0             # rollout sampling temperature (0: greedy, groups identical)
@@ -73,7 +74,7 @@ class EBPOConfig:
 
     def validate(self) -> None:
         check(self, (self.estimator in EBPO_ESTIMATORS, "estimator", f"must be one of {EBPO_ESTIMATORS}"),
-              (self.group_size >= 2, "group_size", "must be ≥ 2"),
+              (self.group_size >= 2, "group_size", "must be ≥ 2"), (self.espo_mc >= 1, "espo_mc", "must be ≥ 1"),
               (bool(self.levels) and all(0 < t <= 1 for t in self.levels), "levels", "must be a non-empty list in (0, 1]"),
               (0 <= self.prompt_mask_prob < 1, "prompt_mask_prob", "must be in [0, 1)"),
               (self.mode in DLLM_MODES, "mode", f"must be one of {DLLM_MODES}"),
