@@ -19,12 +19,12 @@ def test_bench_train_memory_smoke(tmp_path):
         assert len(one["step_s"]) == 2 and one["peak_rss_gib"] > 0 and len(one["loss"]) == 2
     tuned = {s: res[f"{s} [tuned]"] for s in systems}
     assert tuned["bfloat16"]["trainable"] == tuned["float32"]["trainable"] > 2 * tuned["bfloat16+lora16"]["trainable"]
-    speed, lora_tuned, lora_lean, plan_tuned, planned = r["targets"]
+    speed, lora_lean, plan_tuned, planned = r["targets"]       # the LoRA target is measured under lean
     assert plan_tuned["value"] == max(abs(tuned[s]["plan_gib"] / tuned[s]["peak_rss_gib"] - 1) for s in systems)
     assert speed["value"] == tuned["bfloat16"]["median_step_s"] / tuned["float32"]["median_step_s"]
     assert speed["met"] == (speed["value"] <= 0.8)
-    assert lora_tuned["value"] == tuned["bfloat16+lora16"]["peak_rss_gib"] / tuned["float32"]["peak_rss_gib"]
+    assert "lean" in lora_lean["name"]
     assert lora_lean["value"] == res["bfloat16+lora16 [lean]"]["peak_rss_gib"] / res["float32 [lean]"]["peak_rss_gib"]
-    assert lora_tuned["met"] == (lora_tuned["value"] <= 0.4) and lora_lean["met"] == (lora_lean["value"] <= 0.4)
+    assert lora_lean["met"] == (lora_lean["value"] <= 0.4)
     assert planned["value"] == max(abs(res[f"{s} [lean]"]["plan_gib"] / res[f"{s} [lean]"]["peak_rss_gib"] - 1)
                                    for s in systems)
