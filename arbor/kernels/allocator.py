@@ -53,8 +53,13 @@ def tune_allocator() -> bool:
     mode = allocator_mode()
     if mode == "system" or platform.libc_ver()[0] != "glibc":
         return False
+    return _mallopt(LEAN if mode == "lean" else SETTINGS)
+
+
+def _mallopt(settings) -> bool:
+    """Apply glibc ``mallopt`` (parameter, value) pairs; → whether glibc took every one."""
     libc = ctypes.CDLL("libc.so.6")
-    return all(libc.mallopt(ctypes.c_int(k), ctypes.c_int(v)) == 1 for k, v in (LEAN if mode == "lean" else SETTINGS))
+    return all(libc.mallopt(ctypes.c_int(k), ctypes.c_int(v)) == 1 for k, v in settings)
 
 
 def switch_to_lean() -> bool:
@@ -63,7 +68,6 @@ def switch_to_lean() -> bool:
     global _switched
     if "ARBOR_MALLOC" in os.environ or _switched or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL("libc.so.6")
-    _switched = all(libc.mallopt(ctypes.c_int(k), ctypes.c_int(v)) == 1 for k, v in LEAN)
-    libc.malloc_trim(0)
+    _switched = _mallopt(LEAN)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     return _switched
