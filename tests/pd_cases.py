@@ -1,5 +1,6 @@
 """Rank programs for tests/test_pd_multiplex.py: prefill (P) and decode (D) executors of one EP model
-on 2 ranks, with and without phase-private groups, an in-order device queue and the turnstile.
+on 2 ranks, with and without phase-private groups, an in-order device queue and the turnstile; and
+the engine's concurrent P/D workers, with the turnstile and without (naive).
 Run only as child processes (``arbor.distributed.launch``); each case exits non-zero on failure."""
 
 import copy
@@ -152,33 +153,52 @@ def case_turnstile(rounds: str = "20"):
         fail("outputs differ from the one-process model", 1)
 
 
-def case_engine(*policies):
-    """The distributed EP engine under each P/D policy (private groups, in-order queue, turnstile),
-    requests arriving at different steps on each rank, random skew: greedy tokens equal the
-    one-process engine's."""
+def case_engine(*policies, naive: bool = False, queue: bool = True):
+    """The distributed EP engine under each P/D policy: concurrent prefill and decode workers per rank
+    (private groups, in-order collective queue, turnstile), requests arriving at different steps on
+    each rank, random skew: greedy tokens equal the one-process engine's. ``queue=False``: the engine
+    installs its own collective queue. ``naive``: the workers without the turnstile (each rank's D steps
+    whenever it has decodes) — its collectives cross and the run fails."""
     from arbor.engine import EngineConfig, LLMEngine, SamplingParams
-    ctx, model, ref = setup(phase_groups=True, queue=True)
+    ctx, model, ref = setup(phase_groups=True, queue=queue)
     prompts = sequences(30 + ctx.rank, 5 + ctx.rank, 3, 70)
     params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
     for policy in policies:
         rng = random.Random(ctx.rank)
         cfg = dict(num_blocks=64, policy=policy, max_num_batched_tokens=48)
         engine = LLMEngine(model, EngineConfig(**cfg), ctx=ctx)
+        engine.policy.runtime.ordered = not naive
         arrivals = sorted(rng.randint(0, 12) for _ in prompts)
         ids, step = [], 0
         while ctx.flags_max(float(engine.has_unfinished() or len(ids) < len(prompts)))[0]:
             while len(ids) < len(prompts) and arrivals[len(ids)] <= step:
                 ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
             threading.Event().wait(rng.random() * 0.005)     # skew the ranks
-            engine.step()
+            try:
+                engine.step()
+            except (CollectiveError, TagMismatchError) as e:
+                fail(f"{policy}: crossed P/D collectives: {e}")
             step += 1
+        stats = engine.stats()
+        engine.close()
+        if (ctx.queue is None) == queue:      # close() removes only the queue the engine installed
+            fail(f"{policy}: collective queue {'removed' if queue else 'left installed'} by close()", 1)
         got = [engine.pop_finished(r)[0].token_ids for r in ids]
         want = [c.token_ids for c in LLMEngine(ref, EngineConfig(**cfg)).generate(prompts, params)]
-        turnstile = engine.policy.turnstile
-        print(f"{policy}: {len(prompts)} requests in {step} steps, {turnstile.boundaries} boundaries, "
-              f"{turnstile.decode_steps} decode steps at boundaries, equal {got == want}", flush=True)
+        print(f"{policy}: {len(prompts)} requests in {step} steps, {stats['boundaries']} boundaries, "
+              f"{stats['decode_steps']} decode steps, {stats['boundary_decode_steps']} inside prefills, "
+              f"equal {got == want}", flush=True)
         if got != want:
             fail(f"{policy}: distributed engine {got} != one-process engine {want}", 1)
+
+
+def case_engine_own_queue(*policies):
+    case_engine(*policies, queue=False)
+
+
+def case_engine_naive(*policies):
+    case_engine(*policies, naive=True)
+    fail("the naive concurrent design ran without crossing", 1)
 
 
 if __name__ == "__main__":

@@ -119,11 +119,13 @@ def main(spec: dict) -> None:
         for policy in spec["policies"]:
             engine = LLMEngine(model, EngineConfig(policy=policy, max_model_len=spec["max_model_len"],
                                                    max_num_batched_tokens=spec["max_num_batched_tokens"],
-                                                   pd_segment_layers=spec["pd_segment_layers"]), ctx=ctx)
+                                                   pd_segment_layers=spec["pd_segment_layers"],
+                                                   pd_threads=spec["pd_threads"]), ctx=ctx)
             engine.timeline = []
             if ctx.distributed:
                 ctx.barrier("makespan start")
             out = drive(engine, warm if r == 0 else trajs, ctx)
+            engine.close()
             if r:
                 results[policy].append(out)
     print(MARK + json.dumps({"rank": ctx.rank, "results": results}), flush=True)

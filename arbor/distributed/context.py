@@ -232,15 +232,27 @@ def init_distributed(cfg: DistConfig | None = None, num_experts: int = 0, device
             g = dist.new_group(list(range(r, world, ep)), timeout=timeout)
             if rank % ep == r:
                 ctx.replica_group = g
-        for phase in ("prefill", "decode") if cfg.phase_groups else ():
-            for start in range(0, world, ep):
-                g = dist.new_group(list(range(start, start + ep)), timeout=timeout)
-                if start <= rank < start + ep:
-                    ctx.phase_groups[phase] = g
+        if cfg.phase_groups:
+            make_phase_groups(ctx)
         if cfg.fsdp:
             ctx.fsdp_group = dist.new_group(list(range(world)), timeout=timeout)
     ctx.peers = ctx.all_gather_object((socket.gethostname(), os.getpid()), "peer table")
     return ctx
+
+
+def make_phase_groups(ctx: DistContext) -> None:
+    """Give prefill and decode private expert-parallel groups (``ctx.phase_groups``), unless they have
+    them. Collective over all ranks: every rank calls it at the same point (rank start, or the
+    construction of a lockstep P/D engine)."""
+    if not ctx.distributed or ctx.phase_groups:
+        return
+    timeout, ep = timedelta(seconds=ctx.timeout_s), ctx.ep_size
+    with ctx.guard("phase groups"):
+        for phase in ("prefill", "decode"):
+            for start in range(0, ctx.world_size, ep):
+                g = dist.new_group(list(range(start, start + ep)), timeout=timeout)
+                if start <= ctx.rank < start + ep:
+                    ctx.phase_groups[phase] = g
 
 
 def leave(code: int = 0) -> None:

@@ -26,7 +26,9 @@ class EngineConfig:
     ``policy``: a name of ``arbor.engine.policies.POLICIES``; each policy refuses (``check``) the
     settings it cannot run with. ``pd_segment_layers``: layers per prefill segment under
     ``pd-multiplex`` — a decode step may run at every segment boundary (a segment's tokens: the
-    prefill epoch, ≤ ``max_num_batched_tokens``).
+    prefill epoch, ≤ ``max_num_batched_tokens``). ``pd_threads``: "P,D", the CPU threads of the
+    prefill and of the decode worker, which run concurrently under the two P/D policies (a budget is
+    exact for GEMMs and Arbor's C kernels; ATen's element-wise ops follow P's: ``arbor.kernels.threads``).
     ``layer_kv``: layer-wise KV over two tiers (``arbor.engine.policies.layerkv``): a device tier of
     ``device_kv_blocks`` layer-blocks (default: the pool above, in layer-blocks) and a host tier of
     ``host_kv_blocks`` blocks (default: the pool above); ``policy="layerkv"`` adds
@@ -48,6 +50,7 @@ class EngineConfig:
     max_model_len: int = 4096           # longest prompt + completion (clipped to the pool and the model)
     policy: str = "mixed"               # scheduling policy: a name in arbor.engine.policies.POLICIES
     pd_segment_layers: int = 1          # pd-multiplex: layers per prefill segment
+    pd_threads: str = "1,1"             # pd-multiplex, pd-global-enqueue: CPU threads of the prefill and decode workers
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes
     state_snapshots: int = 64           # recurrent-state snapshots for prefix caching of linear-attention models
     dtype: str = "float32"              # float32 | bfloat16 | float16 (of the served copy)
@@ -109,7 +112,9 @@ class EngineConfig:
         if not 0 <= self.logit_noise_frac <= 1:
             raise ValueError(f"EngineConfig.logit_noise_frac must be in [0, 1], got {self.logit_noise_frac!r}")
         from arbor.engine.policies import policy_class
+        from arbor.engine.policies.pd_runtime import parse_pd_threads
         policy = policy_class(self.policy)
+        parse_pd_threads(self.pd_threads)
         self._validate_layer_kv()
         policy.check(self)
         if not isinstance(self.share_weights, bool):

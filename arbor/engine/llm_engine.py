@@ -10,6 +10,10 @@ requests, KV and scheduler — and the experts are split over the EP group. Ever
 exactly one forward, an idle one (``idle_forward``) when this rank has nothing scheduled, so the
 ranks' expert all-to-alls line up; ``generate`` steps until no rank has work (one MAX all-reduce
 per step on the control group).
+
+``lock`` (reentrant) guards the scheduler, block manager, state cache, sampler and counters: the P/D
+policies step a prefill and a decode worker concurrently, each forward outside the lock and each
+schedule and post-forward (commit, sample, append, stop) inside it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import copy
 import functools
 import logging
 import numbers
+import threading
 import time
 from itertools import count
 from pathlib import Path
@@ -132,8 +137,10 @@ class LLMEngine:
                              f"{seq_blocks} × {cfg.block_size}, max_position_embeddings {mc.max_position_embeddings}), so no "
                              "request could ever run; raise num_blocks or block_size")
         snapshots = cfg.state_snapshots if has_linear and cfg.enable_prefix_caching else 0
+        self.lock = threading.RLock()
         self.runner = runner_cls(self.model, num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.logit_noise, cfg.seed,
                                  snapshots, cfg.logit_noise_dist, cfg.logit_noise_frac, **tiers)
+        self.runner.lock = self.lock
         self.block_manager = manager_cls(num_blocks, cfg.block_size, cfg.enable_prefix_caching and (
             snapshots > 0 or not has_linear), states=self.runner.states if snapshots else None, **tiers)
         self.policy = policy_class(cfg.policy)()
@@ -216,15 +223,19 @@ class LLMEngine:
             seq = Sequence(request_id, j, ids, params, frozenset(stop), max_tokens, parent=first)
             first = first or seq
             seqs.append(seq)
-            self.scheduler.add(seq)
-        self.requests[request_id] = seqs
+        with self.lock:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            self.requests[request_id] = seqs
         return request_id
 
     def abort(self, request_id: str) -> None:
-        for seq in self.requests.pop(request_id, []):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-                seq.finish_time = time.perf_counter()
+        self.policy.drain()     # a sequence in a concurrent worker's forward keeps its blocks until it ends
+        with self.lock:
+            for seq in self.requests.pop(request_id, []):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                    seq.finish_time = time.perf_counter()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -245,15 +256,20 @@ class LLMEngine:
             ones = sum(n == 1 for _, n in batch)
             phase = "decode" if ones == len(batch) else "prefill" if not ones else "mixed"
         t0 = time.perf_counter()
-        for seq, n in batch:
-            if n == 1 and seq.last_token_time is not None and seq.num_pending_tokens == 1:
-                self.decode_stall_s += t0 - seq.last_token_time
+        with self.lock:
+            for seq, n in batch:
+                if n == 1 and seq.last_token_time is not None and seq.num_pending_tokens == 1:
+                    self.decode_stall_s += t0 - seq.last_token_time
         for _, result in self.runner.run_segments(batch, layers_per_segment, routing):
             self.record(phase, t0, batch)
             if result is None:
                 at_boundary()
                 t0 = time.perf_counter()
-        batch, sampled, logits, routed, offsets = result
+        with self.lock:
+            return self._finish_batch(*result)
+
+    def _finish_batch(self, batch, sampled, logits, routed, offsets) -> list[Sequence]:
+        """After a forward (under ``lock``): record routing, commit KV, sample, append, check stops."""
         if routed is not None:
             for (seq, n), off in zip(batch, offsets):
                 if seq.params.return_routed_experts:
@@ -331,6 +347,10 @@ class LLMEngine:
             bar.close()
         return [c for rid in ids for c in self.pop_finished(rid)]
 
+    def close(self) -> None:
+        """Stop the policy's workers (the P/D policies' threads); the engine takes no steps after it."""
+        self.policy.close()
+
     def stats(self) -> dict:
         """Queue lengths, KV use and counters now: requests, waiting / running sequences, steps,
         preemptions, KV blocks (``kv_usage`` = blocks held by running sequences / all blocks), the
@@ -352,6 +372,7 @@ class LLMEngine:
         """Copy (HF-named) tensors into the served parameters in place, between steps; the
         prefix cache is dropped (its KV belongs to the old weights). → seconds taken."""
         t0 = time.perf_counter()
+        self.policy.drain()     # no forward of a concurrent worker reads the weights while they change
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
         params = self.model.state_dict()
         for name, tensor in items:

@@ -8,6 +8,8 @@ of every sequence whose chunk reaches its last token (those sample this step).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from arbor.engine.kv.paged import KVCache, PagedAttention
@@ -31,6 +33,7 @@ class ModelRunner:
             raise ValueError(f"logit_noise_frac must be in [0, 1], got {noise_frac}")
         self.logit_noise, self.noise_dist, self.noise_frac = logit_noise, noise_dist, noise_frac
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        self.lock = contextlib.nullcontext()    # the engine's lock: state slots and the noise generator
 
     def make_cache(self, num_blocks: int) -> KVCache:
         """The paged KV pool (``LayerKVRunner``: the host tier)."""
@@ -73,12 +76,8 @@ class ModelRunner:
         attn = self.attention(seqs, starts, lengths)
         states = slots = None
         if self.states:
-            for s in seqs:
-                if s.state_slot is None:
-                    s.state_slot = self.states.take()
-                    if s.num_computed_tokens:   # a prefix-cache hit: its last block has a snapshot
-                        key = s.block_hashes[s.num_computed_tokens // self.block_size - 1]
-                        self.states.restore_snapshot(s.state_slot, key)
+            with self.lock:
+                self._take_state_slots(seqs)
             slots = torch.tensor([s.state_slot for s in seqs], device=dev)
             states = self.states.gather(slots, len(self.model.model.layers))
         for done, out in self.model.forward_segments(
@@ -93,9 +92,18 @@ class ModelRunner:
         last = torch.tensor([ends[i] - 1 for i in sample], dtype=torch.long, device=dev)
         logits = self.model.logits(out.hidden[last]).float()
         if self.logit_noise:
-            logits = logits + self._noise(logits.shape, dev)
+            with self.lock:
+                logits = logits + self._noise(logits.shape, dev)
         offsets = [e - n for e, n in zip(ends, lengths)]
         yield done, (batch, [seqs[i] for i in sample], logits, out.routed_experts, offsets)
+
+    def _take_state_slots(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if s.state_slot is None:
+                s.state_slot = self.states.take()
+                if s.num_computed_tokens:   # a prefix-cache hit: its last block has a snapshot
+                    key = s.block_hashes[s.num_computed_tokens // self.block_size - 1]
+                    self.states.restore_snapshot(s.state_slot, key)
 
     def _noise(self, shape, dev) -> torch.Tensor:
         """σ · (N(0, 1) or standard Cauchy) per logit, on a ``noise_frac`` fraction of the rows."""

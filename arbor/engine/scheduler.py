@@ -15,9 +15,9 @@ What a step schedules is the policy's (``arbor.engine.policies``: ``policy.sched
 - ``prefill-first``: a step is all-prefill (running chunks, then admissions) when any prefill
   work fits; otherwise all-decode.
 - ``mixed``: decodes first, then prefill chunks and admissions fill the rest of the budget, one forward.
-- ``pd-multiplex`` / ``pd-global-enqueue``: the same plan as ``mixed`` (decodes first, prefill gets
-  the leftover budget) run as two forwards, the prefill one cut into segments with decode steps at
-  the boundaries — fine boundaries or none (``arbor.engine.policies.pd_multiplex``).
+- ``pd-multiplex`` / ``pd-global-enqueue``: decodes on a decode worker, prefill in the budget they
+  leave on a prefill worker, the two running concurrently; decode steps admitted at every prefill
+  segment boundary or at epoch starts only (``arbor.engine.policies.pd_multiplex``).
 - ``layerkv``: ``mixed`` with SLO-aware admission of prefills (``arbor.engine.policies.slo_admission``; needs
   ``EngineConfig.layer_kv``).
 """

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from arbor.kernels import native
+from arbor.kernels.threads import thread_budget
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("paged_prefill.c")
@@ -65,7 +66,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, block_siz
         load_prefill_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                               int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
                               chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[2].data_ptr(), c, H,
-                              k_cache.shape[1], D, block_size, scale, torch.get_num_threads())
+                              k_cache.shape[1], D, block_size, scale, thread_budget())
     return out
 
 
@@ -86,5 +87,5 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, bloc
     with torch.profiler.record_function("arbor::paged_decode_attention"):   # visible to torch.profiler
         load_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                       int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
-                      context_lens.data_ptr(), B, H, k_cache.shape[1], D, block_size, scale, torch.get_num_threads())
+                      context_lens.data_ptr(), B, H, k_cache.shape[1], D, block_size, scale, thread_budget())
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from arbor.kernels import native
+from arbor.kernels.threads import thread_budget
 
 SOURCE = Path(__file__).with_name("moe_experts.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -57,7 +58,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     with torch.profiler.record_function("arbor::moe_experts_bf16"):
         bad = load_kernel().moe_experts_bf16(x.data_ptr(), t, ids.data_ptr(), w.data_ptr(), ids.shape[1],
                                              gate_up.data_ptr(), down.data_ptr(), e, d, i, y.data_ptr(),
-                                             torch.get_num_threads())
+                                             thread_budget())
     if bad:
         raise ValueError(f"expert ids must lie in 0..{e - 1}; got {ids.min().item()}..{ids.max().item()}")
     return y
@@ -77,5 +78,5 @@ def route_and_run(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_p
     with torch.profiler.record_function("arbor::moe_experts_bf16"):
         load_kernel().moe_route_experts_bf16(x.data_ptr(), logits.data_ptr(), t, top_k, int(norm_topk_prob),
                                              probs.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
-                                             e, d, i, y.data_ptr(), torch.get_num_threads())
+                                             e, d, i, y.data_ptr(), thread_budget())
     return y, ids, probs

@@ -19,6 +19,7 @@ All index tensors are built once per step (``build``) and shared by every layer.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -35,7 +36,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
-        self._buf = torch.empty(2, 0, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self._local = threading.local()     # gather_blocks' buffer, one per thread (P and D workers)
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -43,13 +44,14 @@ class KVCache:
 
     def gather_blocks(self, layer: int, blocks: torch.Tensor):
         """(k, v) [len(blocks) · block_size, Hkv, D] of one layer: the given blocks back to back,
-        copied into a reused buffer (valid until the next call): fresh multi-MB allocations cost
-        more in page faults than the copy itself."""
+        copied into a reused buffer of the calling thread (valid until its next call): fresh multi-MB
+        allocations cost more in page faults than the copy itself."""
         n = blocks.shape[0] * self.block_size
-        if self._buf.shape[1] < n:
-            self._buf = torch.empty(2, max(n, 2 * self._buf.shape[1]), *self._buf.shape[2:], dtype=self._buf.dtype,
-                                    device=self._buf.device)
-        k, v = self._buf[0, :n], self._buf[1, :n]
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.shape[1] < n:
+            buf = self._local.buf = torch.empty(2, max(n, 2 * (0 if buf is None else buf.shape[1])), *self.k.shape[2:],
+                                                dtype=self.k.dtype, device=self.k.device)
+        k, v = buf[0, :n], buf[1, :n]
         shape = (-1, self.block_size, *self.k.shape[2:])
         torch.index_select(self.k[layer].view(shape), 0, blocks, out=k.view(shape))
         torch.index_select(self.v[layer].view(shape), 0, blocks, out=v.view(shape))

@@ -9,6 +9,7 @@ A policy owns one engine step end to end:
   the P/D policies run a prefill epoch cut into segments with decode steps at the boundaries;
 - ``idle_step(engine)``: a lockstep (expert-parallel) rank with nothing of its own joins the other
   ranks' collectives of one step;
+- ``close()``: stop what ``bind`` started (the P/D policies' worker threads);
 - ``check(config)`` (a classmethod): ValueError when an ``EngineConfig`` cannot run under this
   policy, saying why. ``EngineConfig.validate`` calls it through the registry
   (``arbor.engine.policies.POLICIES``), so each refusal lives with the policy that knows its reason.
@@ -63,6 +64,13 @@ class Policy:
     def stats(self) -> dict:
         """Counters of this policy (``LLMEngine.stats`` includes them)."""
         return {}
+
+    def drain(self) -> None:
+        """Return once no forward of this policy is in flight (``LLMEngine.update_weights`` and ``abort``;
+        nothing here: a one-forward step has ended when ``step`` returns)."""
+
+    def close(self) -> None:
+        """Stop what ``bind`` started (``LLMEngine.close``; nothing here)."""
 
 
 class PrefillFirst(Policy):
