@@ -47,6 +47,9 @@ def _set(root, dotted: str, value: Any, origin: str) -> None:
         raise KeyError(f"{origin}: unknown key '{dotted}'; {type(obj).__name__} has {names}")
     hint = get_type_hints(type(obj)).get(last)
     if dataclasses.is_dataclass(getattr(obj, last)):
+        short = getattr(type(getattr(obj, last)), "SHORTHAND", None)    # ``agent=x`` sets ``agent.<SHORTHAND>``
+        if short is not None and not isinstance(value, dict):
+            value = {short: value}
         if not isinstance(value, dict):
             keys = [f.name for f in dataclasses.fields(getattr(obj, last))]
             raise ValueError(f"{origin}: '{dotted}' is a config section, not a value; set its keys "

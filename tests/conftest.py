@@ -87,10 +87,10 @@ MARKS = {
         "test_plan.py::test_plan_package_imports_no_torch", "test_engine_cli.py::test_python_dash_m_arbor_is_the_arbor_command",
         "test_rl_objectives.py::test_invalid_overrides_exit_2_with_the_key_named_before_anything_runs",
         "test_rl_overlap.py::test_overlap_keys_are_validated",
-        "test_diffusion_server.py::test_arbor_serve_serves_a_block_diffusion_folder"],
+        "test_diffusion_server.py::test_arbor_serve_serves_a_block_diffusion_folder", "test_agent_example.py"],
     "ray": ["test_cluster.py", "test_bench_cluster.py"],
     "server_load": ["test_server_load.py", "test_server_hardening.py::test_health_stays_fast_while_busy_and_rejecting_a_20mb_prompt"],
-    "bench": ["test_bench_*.py", "test_tree_bench.py", "test_diffusion_bench.py", "test_dllm_rl_bench.py",
+    "bench": ["test_bench_*.py", "test_tree_bench.py", "test_diffusion_bench.py", "test_dllm_rl_bench.py", "test_agent_bench.py",
               "test_rl_overlap.py::test_bench_rl_times_both_schedules"],
     "numerics": [       # results that depend on kernels and instruction sets: float equalities, greedy tokens
         "test_model_attention.py", "test_tree_model.py", "test_tree_batch.py", "test_gated_deltanet.py", "test_moe.py",
@@ -99,7 +99,7 @@ MARKS = {
         "test_train_resume.py", "test_losses.py", "test_rl_loop.py", "test_rl_objectives.py", "test_rl_overlap.py",
         "test_rl_engine_copy.py", "test_ebpo.py", "test_ebpo_trainer.py", "test_tad.py", "test_tad_delta.py",
         "test_diffusion_train.py", "test_diffusion_decode.py", "test_server.py", "test_dist.py",
-        "test_cli_determinism.py", "test_routepack_migration.py", "test_bench_rl.py"],
+        "test_cli_determinism.py", "test_routepack_migration.py", "test_bench_rl.py", "test_agent_rollout.py"],
 }
 SLOW = ("multiprocess", "ray", "server_load", "bench")
 

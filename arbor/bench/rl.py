@@ -247,7 +247,9 @@ def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts,
 
 def add_arguments(p) -> None:
     p.add_argument("--model", help="HF model folder (default: a tiny random Qwen3 written to OUT/rl_model)")
-    p.add_argument("--workload", default="both", choices=["trl", "agentic", "both"])
+    p.add_argument("--workload", default="both", choices=["trl", "agentic", "both", "agent"],
+                   help="agent: an OpenAI-client agent through the trainer's endpoint vs the same episodes built in "
+                        "(arbor.bench.rl_agent; writes rl-agent.json)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system (after one warm-up step)")
     p.add_argument("--repeats", type=int, help="alias of --steps")
     p.add_argument("--rounds", type=int, default=1, help="Arbor/TRL runs alternated per workload (medians over rounds)")
@@ -273,6 +275,11 @@ def main(args) -> None:
         raise SystemExit(f"--threads must be ≥ 0, got {args.threads}")
     if args.model and not (Path(args.model) / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: no config.json there (an HF model folder is needed)")
+    if args.workload == "agent":
+        from arbor.bench.rl_agent import run as run_agent
+        run_agent(out_dir=args.out, model=args.model, steps=steps, rounds=args.rounds, engine_dtype=args.engine_dtype,
+                  device=args.device, prompts=args.prompts, threads=args.threads)
+        return
     workloads = ("trl", "agentic") if args.workload == "both" else (args.workload,)
     run(out_dir=args.out, model=args.model, workloads=workloads, steps=steps, threads=args.threads,
         engine_dtype=args.engine_dtype, device=args.device, trl=args.trl, prompts=args.prompts,

@@ -63,6 +63,12 @@ class ClusterConfig:
 class ClusterRLConfig(RLConfig):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def validate(self) -> None:
+        super().validate()
+        if self.agent.fn and self.cluster.backend != "none":
+            raise ValueError(f"agent={self.agent.fn!r} serves its episodes from this process's engine; it does not run "
+                             f"on cluster.backend={self.cluster.backend} (leave cluster unset)")
+
 
 def shorthand(overrides: list[str]) -> list[str]:
     """``cluster=ray`` → ``cluster.backend=ray`` (the section cannot also be a value)."""

@@ -86,8 +86,10 @@ def _param(e: ValueError) -> str | None:
     return "stop_token_ids" if "stop_token_ids" in text else "stop" if text.startswith("stop") else "prompt"
 
 
-def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model_name: str, cfg: ServerConfig) -> None:
-    """``EngineBackend.install``: the generation and weight-update routes over ``engine``."""
+def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model_name: str, cfg: ServerConfig,
+                  chat_ids=None) -> None:
+    """``EngineBackend.install``: the generation and weight-update routes over ``engine``. ``chat_ids(messages,
+    plan)`` → a chat prompt's ids, or None to render it with the template (``arbor.rollout.agent_prompt``)."""
     tok = engine.tokenizer
 
     @app.post("/update_weights")
@@ -120,6 +122,9 @@ def engine_routes(engine: ServedEngine, app: FastAPI, read_body: ReadBody, model
         if limit is not None and chars > limit:
             raise RequestError(f"the messages hold {chars} characters, more than the {engine.max_model_len}-"
                                f"token context can hold (at most {limit})", "messages")
+        ids = chat_ids(messages, plan) if chat_ids is not None else None
+        if ids is not None:
+            return check_all([ids], params, "messages")
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=plan.tools)
         except Exception as e:      # the template refused these messages (roles, order, …)

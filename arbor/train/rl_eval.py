@@ -20,8 +20,8 @@ async def evaluate_rows(trainer, rows: list[dict], samples: int = 1, temperature
     """→ (metrics, table) of ``trainer``'s policy on ``rows`` (module docstring); on several ranks each
     rank rolls out its share and the metrics are summed over ranks (the table is rank 0's)."""
     cfg = dataclasses.replace(trainer.cfg.rollout, temperature=temperature if samples > 1 else 0.0, branch=[samples])
-    collector = Collector(trainer.engine, trainer.tok, cfg, trainer.sampling_factory,
-                          trainer.cfg.data.template_kwargs)
+    collector = trainer.collector.for_eval(cfg) if hasattr(trainer.collector, "for_eval") else \
+        Collector(trainer.engine, trainer.tok, cfg, trainer.sampling_factory, trainer.cfg.data.template_kwargs)
     ctx = trainer.ctx
     W, r = ctx.world_size, ctx.rank
     mine = rows[r::W]

@@ -46,6 +46,9 @@ def rl_task(cfg, tokenizer):
     becomes the one tool code runs in (the ``python`` tool's, and any ``run_python`` given no config)."""
     from arbor.rollout.sandbox import configure
     from arbor.tasks.registry import load_task
+    if cfg.agent.fn:                    # an OpenAI-client agent: its rows, no environment (arbor.train.agent_run)
+        from arbor.train.agent_run import agent_task
+        return agent_task(cfg)
     configure(cfg.sandbox)
     from arbor.train.config import max_prompt_tokens
     task = load_task(task=cfg.task, data=cfg.data, reward=cfg.reward, tools=cfg.tools, env=cfg.env, seed=cfg.seed,
