@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from arbor.models import CausalLM, ModelConfig, VarlenAttention, expert_counts
+from arbor.models.rows import take_rows
 from arbor.models.tree_linear import plan_linear, tree_gated_deltanet
 from arbor.train.tree_batch import TreeConfig, build_rows, build_tree
 from arbor.train.tree_forward import (
@@ -86,6 +87,44 @@ def test_linear_layer_tree_with_and_without_replay(chunk_size, capsys):
     assert ref[0].abs().mean() > 0.1
     assert diffs[True] <= 1e-10   # float64, outputs O(1): measured 1.3e-15
     assert diffs[False] <= 1e-10  # same function, chunk grid shifted: float64 rounding only, measured 7.1e-15
+
+
+def test_replay_reruns_only_the_recurrence():
+    """HARTS replays the recurrent state only: the input projections and the output projection see
+    each tree token once (T rows), while the rule runs over T + replayed tokens; outputs and the
+    gradients of every parameter and input still equal each path run alone (float64)."""
+    layer, trajs = make_layer(4), flat(groups_of(2, vocab=1000))
+    tree = build_tree(trajs)
+    emb = torch.randn(1000, HIDDEN, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rows = {"in_proj_qkvz": 0, "in_proj_ba": 0, "out_proj": 0}
+    hooks = [getattr(layer, name).register_forward_hook(
+        lambda m, args, out, name=name: rows.__setitem__(name, rows[name] + args[0].shape[0])) for name in rows]
+    plan = plan_linear(tree.parents, 4, replay=True)
+    x = emb[torch.tensor(tree.tokens)].requires_grad_()
+    y = tree_gated_deltanet(layer, x, plan)
+    for h in hooks:
+        h.remove()
+    T = len(tree.tokens)
+    assert plan.replayed_tokens >= 5 and plan.rule_tokens == T + plan.replayed_tokens
+    assert rows == {"in_proj_qkvz": T, "in_proj_ba": T, "out_proj": T}
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (w * y).sum().backward()
+    g_tree = {n: p.grad.clone() for n, p in layer.named_parameters()} | {"x": x.grad.clone()}
+    layer.zero_grad()
+    x_ref = emb[torch.tensor(tree.tokens)].requires_grad_()
+    ref = [layer(take_rows(x_ref, torch.tensor(p)), cu(len(p)))[0] for p in tree.paths]
+    # each tree token's output counted once: weight it on the first path through it
+    first = {}
+    for j, p in enumerate(tree.paths):
+        for d, i in enumerate(p):
+            first.setdefault(i, (j, d))
+    loss = sum((w[i] * ref[j][d]).sum() for i, (j, d) in first.items())
+    loss.backward()
+    assert max_diff([y[p] for p in tree.paths], [r.detach() for r in ref]) <= 1e-10   # float64, outputs O(1): measured 7e-15
+    g_ref = {n: p.grad for n, p in layer.named_parameters()} | {"x": x_ref.grad}
+    for name, g in g_ref.items():
+        assert g.abs().max() > 0, name
+        assert (g_tree[name] - g).abs().max() <= 1e-10 * g.abs().max(), name      # float64: rounding only
 
 
 def test_hybrid_without_replay_close(capsys):

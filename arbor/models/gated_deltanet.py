@@ -234,44 +234,63 @@ class GatedDeltaNet(nn.Module):
                                      f"got {tuple(getattr(state, name).shape)}")
         return max(lengths)
 
+    def conv_inputs(self, x: torch.Tensor):
+        """x [T, hidden] → (mixed [T, conv_dim]: the conv's inputs, channels [q heads, k heads, v heads];
+        z [T, Hv, dv]; b, a [T, Hv]): every projection of the layer's input, one row per token."""
+        q, k, v, z, b, a = self._project(x)
+        return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], -1), z, b, a
+
+    def rule_inputs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Conv outputs [T, conv_dim] and b, a → the rule's per-token (q, k, v, g, β): q, k L2-normalised
+        (one head per value head), β = sigmoid(b), g = −exp(A_log) · softplus(a + dt_bias)."""
+        T, dtype, r = mixed.shape[0], _rule_dtype(mixed), self.num_v_heads // self.num_k_heads
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q, k = (l2norm(t.to(dtype).view(T, self.num_k_heads, -1)).repeat_interleave(r, 1) for t in (q, k))
+        g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias)
+        return q, k, v.reshape(T, self.num_v_heads, self.head_v_dim), g, b.sigmoid()
+
+    def rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, initial_state=None):
+        """The gated delta rule over packed sequences (rows cu_seqlens[i]:cu_seqlens[i+1]) from their
+        initial recurrent states (None = zeros) → (o [T, Hv, dv], S [N, Hv, dk, dv]). One token per
+        sequence: the recurrent form; otherwise right-padded with β = g = 0 (state-preserving) and the
+        chunk form, its grid starting at each sequence start."""
+        pad, unpad, decode, _ = _packing(cu_seqlens.to(q.device), q.shape[0])
+        if decode:
+            o, S = recurrent_gated_delta_rule(*map(pad, (q, k, v, g, beta)), initial_state)
+        else:
+            o, S = chunk_gated_delta_rule(*map(pad, (q, k, v, g, beta)), initial_state, self.chunk_size)
+        return unpad(o), S
+
+    def output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rule outputs o [T, Hv, dv] and gates z → y [T, hidden] = out_proj(GatedRMSNorm(o, z))."""
+        return self.out_proj(self.norm(o.to(dtype), z).flatten(1))
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, state: LinearState | None = None):
         """x: [T, hidden] packed tokens; sequence i is x[cu_seqlens[i]:cu_seqlens[i+1]], each ≥ 1 token.
 
         state: each sequence's state before these tokens (None = zeros). Returns y [T, hidden]
-        and the state after each sequence's last token. If every sequence has one token the
-        recurrent form runs; otherwise the sequences are right-padded to the longest one with
-        β = g = 0 (state-preserving) and the chunk form runs, its chunk grid starting at each
-        sequence start.
+        and the state after each sequence's last token (``rule`` says which form runs).
         """
-        L = self._check(x, cu_seqlens, state)
-        T, N = x.shape[0], cu_seqlens.numel() - 1
-        decode = T == N
+        self._check(x, cu_seqlens, state)
         cu_seqlens = cu_seqlens.to(x.device)
-        lengths = cu_seqlens.diff()
-        seq = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)
-        pos = torch.arange(T, device=x.device) - cu_seqlens[seq]
-
-        def pad(t):  # [T, ...] -> [N, L, ...]; decode: [N, 1, ...]
-            return t[:, None] if decode else t.new_zeros(N, L, *t.shape[1:]).index_put((seq, pos), t)
-
-        def unpad(t):  # inverse of pad
-            return t[:, 0] if decode else t[seq, pos]
-
-        q, k, v, z, b, a = self._project(x)
-        mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], -1)
+        pad, unpad, decode, lengths = _packing(cu_seqlens, x.shape[0])
+        mixed, z, b, a = self.conv_inputs(x)
         mixed, conv_state = causal_conv1d(pad(mixed).transpose(1, 2), self.conv1d.weight[:, 0],
                                           None if state is None else state.conv, None if decode else lengths)
-        q, k, v = unpad(mixed.transpose(1, 2)).split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q, k, v, g, beta = self.rule_inputs(unpad(mixed.transpose(1, 2)), b, a)
+        o, S = self.rule(q, k, v, g, beta, cu_seqlens, None if state is None else state.recurrent)
+        return self.output(o, z, x.dtype), LinearState(conv_state, S)
 
-        dtype, r = _rule_dtype(x), self.num_v_heads // self.num_k_heads
-        q, k = (l2norm(t.to(dtype).view(T, self.num_k_heads, -1)).repeat_interleave(r, 1) for t in (q, k))
-        v = v.view(T, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias)
-        S0 = None if state is None else state.recurrent
-        if decode:
-            o, S = recurrent_gated_delta_rule(*map(pad, (q, k, v, g, beta)), S0)
-        else:
-            o, S = chunk_gated_delta_rule(*map(pad, (q, k, v, g, beta)), S0, self.chunk_size)
-        o = self.norm(unpad(o).to(x.dtype), z)
-        return self.out_proj(o.flatten(1)), LinearState(conv_state, S)
+
+def _packing(cu_seqlens: torch.Tensor, T: int):
+    """→ (pad: [T, ...] → [N, L, ...] right-padded with zeros, unpad: its inverse, decode: every
+    sequence one token (then pad is [T, 1, ...]), lengths [N])."""
+    N = cu_seqlens.numel() - 1
+    lengths = cu_seqlens.diff()
+    decode = T == N
+    if decode:
+        return (lambda t: t[:, None]), (lambda t: t[:, 0]), True, lengths
+    L = int(lengths.max())
+    seq = torch.repeat_interleave(torch.arange(N, device=cu_seqlens.device), lengths, output_size=T)
+    pos = torch.arange(T, device=cu_seqlens.device) - cu_seqlens[seq]
+    return (lambda t: t.new_zeros(N, L, *t.shape[1:]).index_put((seq, pos), t)), (lambda t: t[seq, pos]), False, lengths

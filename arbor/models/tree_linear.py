@@ -23,8 +23,18 @@ exactly one sequence along each root-to-leaf chain; its output is taken from the
 (in schedule order) that covers it, the other copies are replay: they feed states, no outputs.
 Without replay, a_s = d_s and c_s = e_s + 1 (each segment starts from its parent's final state).
 
-The recurrent and convolution states at a sequence's end are handed to its children as their
-initial ``LinearState`` (differentiably), so gradients reach the prefix through them.
+Only the recurrence is replayed. Everything but the rule is a function of one token and its path,
+so it runs once per tree token (T rows): the input projections, the short causal convolution,
+whose window is read along the tree path,
+
+    conv_i = silu(Σ_{j=0}^{K−1} w_j · m(anc^{K−1−j}(i))),   anc^0(i) = i, anc^{n+1}(i) = parent(anc^n(i)),
+
+m = the projected conv inputs, 0 for an ancestor above the root (``path_window``) — exactly the
+window the trajectory's convolution sees —, the L2-norms and gates (q, k, v, g, β), and after
+the rule GatedRMSNorm(o, z) and ``out_proj``. Each call gathers the (q, k, v, g, β) rows of its
+sequences and runs only the gated delta rule over them; a sequence's final recurrent state S is
+its children's initial state (differentiably, so gradients reach the prefix through it). The rule
+thus covers ``plan.rule_tokens`` = T + replayed tokens; everything else covers T.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from arbor.models.gated_deltanet import LinearState
 from arbor.models.rows import take_rows
@@ -106,7 +117,14 @@ class LinearCall:
 class LinearPlan:
     calls: list[LinearCall]
     num_tokens: int
-    replayed_tokens: int          # tokens computed more than once (replay), for reporting
+    replayed_tokens: int          # tokens the rule runs more than once (replay), for reporting
+    parents: torch.Tensor         # [T] the tree's parent indices (−1 = root)
+    windows: dict = field(default_factory=dict)   # conv kernel K → path_window(plan, K)
+
+    @property
+    def rule_tokens(self) -> int:
+        """Tokens the rule runs over (T + replayed); projections, conv and output run over T."""
+        return self.num_tokens + self.replayed_tokens
 
 
 def plan_linear(parents: list[int], chunk_size: int, replay: bool = True, seg: Segments | None = None) -> LinearPlan:
@@ -154,39 +172,62 @@ def plan_linear(parents: list[int], chunk_size: int, replay: bool = True, seg: S
             cu = torch.tensor([0] + lengths).cumsum(0)
             calls.append(LinearCall(torch.tensor(index), cu, init, torch.tensor(own, dtype=torch.long)))
     assert bool(covered.all()), "every tree token must be computed by some call"
-    return LinearPlan(calls, n, replayed)
+    return LinearPlan(calls, n, replayed, torch.tensor(parents, dtype=torch.long))
 
 
 def tree_gated_deltanet(layer, x: torch.Tensor, plan: LinearPlan, state: LinearState | None = None) -> torch.Tensor:
-    """Run a GatedDeltaNet layer over tree tokens x [T, hidden] by the plan → y [T, hidden].
+    """Run a GatedDeltaNet layer over tree tokens x [T, hidden] by the plan → y [T, hidden]
+    (module docstring: projections, conv and output once per tree token; only the rule per call).
     Every root starts from the zero state (a tree batch holds whole trajectories)."""
     if state is not None:
         raise ValueError("tree batches start every root from the zero state; pass states=None")
-    states: list[LinearState] = []
+    T = x.shape[0]
+    mixed, z, b, a = layer.conv_inputs(x)
+    K = layer.conv_kernel
+    window = path_window(plan, K).to(x.device)                      # [T, K]; T = the zero row
+    padded = torch.cat([mixed, mixed.new_zeros(1, mixed.shape[1])])
+    # the conv as a weighted sum over each token's path window ([T, K, conv_dim] · [K, conv_dim]): a
+    # conv1d over T windows of length K has a per-window cost in its backward that dwarfs the sum
+    conv = F.silu((take_rows(padded, window) * layer.conv1d.weight[:, 0].t().to(mixed.dtype)).sum(1))
+    feats = layer.rule_inputs(conv, b, a)                            # (q, k, v, g, β), one row per tree token
+    finals: list[torch.Tensor] = []
     outs, dest = [], []
     for call in plan.calls:
         idx = call.index.to(x.device)
-        state = _initial_state(layer, call, states, x)
-        y, new = layer(take_rows(x, idx), call.cu_seqlens, state)
-        states.append(new)
+        o, S = layer.rule(*(take_rows(t, idx) for t in feats), call.cu_seqlens, _initial_state(layer, call, finals, x))
+        finals.append(S)
         own = call.own.to(x.device)
-        outs.append(take_rows(y, own))
+        outs.append(take_rows(o, own))
         dest.append(idx[own])
     dest = torch.cat(dest)
     order = torch.empty_like(dest)
     order[dest] = torch.arange(dest.numel(), device=dest.device)
-    return take_rows(torch.cat(outs), order)
+    return layer.output(take_rows(torch.cat(outs), order), z, x.dtype)
 
 
-def _initial_state(layer, call: LinearCall, states: list[LinearState], x: torch.Tensor):
+def path_window(plan: LinearPlan, K: int) -> torch.Tensor:
+    """[T, K] tree-token indices of each token's conv window: column K−1−m holds anc^m(i) (the m-th
+    ancestor; anc^0(i) = i), and T (a zero row) where the path has fewer than m tokens before i.
+    Cached on the plan per K."""
+    if K not in plan.windows:
+        T, parents = plan.num_tokens, plan.parents
+        cur = torch.arange(T, device=parents.device)
+        cols = [cur]
+        for _ in range(K - 1):
+            cur = torch.where(cur >= 0, parents[cur.clamp(min=0)], -1)
+            cols.append(cur)
+        w = torch.stack(cols[::-1], 1)
+        plan.windows[K] = w.masked_fill(w < 0, T)
+    return plan.windows[K]
+
+
+def _initial_state(layer, call: LinearCall, finals: list[torch.Tensor], x: torch.Tensor):
+    """The recurrent states the call's sequences start from ([N, Hv, dk, dv]; None when all are zero)."""
     if all(i is None for i in call.init):
         return None
-    conv_zero = x.new_zeros(layer.conv_dim, layer.conv_kernel - 1)
     rule = torch.promote_types(x.dtype, torch.float32)
-    rec_zero = x.new_zeros(layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=rule)
-    conv = [conv_zero if i is None else states[i[0]].conv[i[1]] for i in call.init]
-    rec = [rec_zero if i is None else states[i[0]].recurrent[i[1]] for i in call.init]
-    return LinearState(torch.stack(conv), torch.stack(rec))
+    zero = x.new_zeros(layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=rule)
+    return torch.stack([zero if i is None else finals[i[0]][i[1]] for i in call.init])
 
 
 def linear_plan_for(attn, chunk_size: int) -> LinearPlan:
@@ -199,5 +240,6 @@ def linear_plan_for(attn, chunk_size: int) -> LinearPlan:
         plan = plan_linear(attn.parents.tolist(), chunk_size, replay, getattr(attn, "segments", None))
         for call in plan.calls:  # index once on the tokens' device, not once per layer
             call.index, call.own = call.index.to(attn.parents.device), call.own.to(attn.parents.device)
+        plan.parents = plan.parents.to(attn.parents.device)
         cache[key] = plan
     return cache[key]
