@@ -13,7 +13,9 @@ loaded shared machine). Attention work falls faster than tokens (Σ_j L_j² vs �
 measured value can exceed the token ideal on attention-heavy shapes. Memory: on
 CUDA the peak of ``torch.cuda.max_memory_allocated``; on CPU the bytes of tensors autograd
 saves for backward during the forward (``saved_tensors_hooks``, each storage once) — the
-activation memory, which is what prefix compression and recomputation change.
+activation memory, which is what prefix compression and recomputation change. Per linear-attention
+layer of the tree: ``linear_projected_tokens`` (= compact) rows pass its projections, conv and
+out_proj, ``linear_rule_tokens_chunk64`` (compact + replayed) its gated delta rule.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def run(out_dir="bench_results", trees=2, prompt=320, turns=3, repeats=3, token_
     stats = {"trees": trees, "trajectories": n, "total_tokens": total, "compact_tokens": compact,
              "ideal_speedup": ideal, "shared_prefix_ratio": 1 - compact / total, "rows": len(rows),
              "replayed_tokens_chunk64": sum(plan_linear(r.parents.tolist(), 64).replayed_tokens for r in rows)}
+    # per linear-attention layer: the rule replays, the projections, conv and out_proj do not (arbor.models.tree_linear)
+    stats.update(linear_rule_tokens_chunk64=compact + stats["replayed_tokens_chunk64"], linear_projected_tokens=compact)
     print(f"{n} trajectories in {trees} trees: {total} tokens, {compact} compact "
           f"(shared-prefix ratio {stats['shared_prefix_ratio']:.2f}, ideal speedup {ideal:.2f}x)")
     result = {"config": {"model_shape": SHAPE, "threads": torch.get_num_threads(), "dense_mask": dense_mask, "prompt": prompt, "turns": turns, "branches": [2, 4],
