@@ -101,9 +101,10 @@ def trajectories():
     return out
 
 
-def rl_trainer(ctx, moe: bool):
+def rl_trainer(ctx, moe: bool, extra=()):
     """An ``RLTrainer`` on the float64 model (its engine a float32 copy), two optimizer steps per RL step
-    (so θ_old is recomputed), a KL reference, micro-batches of ≤ 48 tokens, the clip active (0.2 < ‖g‖)."""
+    (so θ_old is recomputed), a KL reference, micro-batches of ≤ 48 tokens, the clip active (0.2 < ‖g‖);
+    ``extra``: more ``key=value`` overrides."""
     import types
 
     from arbor import configs
@@ -114,7 +115,7 @@ def rl_trainer(ctx, moe: bool):
     from arbor.train.run import make_engine
     cfg = configs.load(RLConfig, None, ["steps=2", "ppo_epochs=2", "loss.kl_coef=0.05", "tree.enabled=false",
                                         "tree.token_cap=48", "optim.lr=1e-2", "optim.warmup_steps=0",
-                                        "optim.grad_clip=0.2", f"dist.fsdp={str(ctx.fsdp).lower()}"])
+                                        "optim.grad_clip=0.2", f"dist.fsdp={str(ctx.fsdp).lower()}", *extra])
     model, tok = fresh(ctx, moe), builtin_tokenizer()
     engine, sampling = make_engine(model, tok, EngineConfig(dtype="float32", share_weights=False, num_blocks=16,
                                                             max_model_len=64), ctx)

@@ -97,3 +97,24 @@ def test_ep_slots_cover_both_ranks_and_every_routed_copy():
         assert X[2 * s, 4] + X[2 * s + 1, 4] == 2 * 2 * tokens
     share = X[:, 4] / (2 * 2 * np.repeat(X[0::2, 2] + X[1::2, 2], 2))
     assert share.std() > 0.02 and np.linalg.matrix_rank(X) == 5
+
+
+def test_bench_routepack_rl_trains_both_layouts_on_the_same_recorded_steps(tmp_path):
+    """``arbor bench routepack-rl`` on a tiny MoE: two ``RLTrainer``s per rank train the same recorded
+    steps; the figure is the median over windows of the per-window tokens/s ratio."""
+    from arbor.plan import CostModel
+    cost = CostModel(a=2e-5, b=1e-8, e=1e-5, c0=2e-3, move_s=1e-3, move_layer_s=5e-3).save(tmp_path / "cost.json")
+    assert main(["bench", "routepack-rl", "--out", str(tmp_path), *TINY[:-2], "--windows", "2", "--warmup", "0",
+                 "--repeats", "1", "--groups", "2", "--branch", "2", "--max-tokens", "16", "--token-cap", "256",
+                 "--cost-file", str(cost), "--timeout", "240"]) in (0, None)
+    r = json.loads((tmp_path / "routepack-rl.json").read_text())
+    assert (tmp_path / "routepack-rl.png").exists() and r["benchmark"] == "routepack-rl"
+    assert len(r["tokens"]) == 2 and all(n > 0 for n in r["tokens"])
+    for k, n in enumerate(r["tokens"]):
+        want = (n / r["step_s"]["RoutePack"][k]) / (n / r["step_s"]["KK + static"][k])
+        assert r["ratio_per_window"][k] == pytest.approx(want, rel=1e-12)
+    assert r["ratio_median"] == pytest.approx(float(np.median(r["ratio_per_window"])), rel=1e-12)
+    assert "routepack_moved" in r["stats"]["RoutePack"] and "layout_s" in r["stats"]["KK + static"]
+    assert r["stats"]["RoutePack"]["routepack_fallback"] == 0
+    (t,) = r["targets"]
+    assert t["target"] == ">= 1.10" and t["met"] == (t["value"] >= 1.10) and t["value"] == r["ratio_median"]

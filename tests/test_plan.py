@@ -314,19 +314,3 @@ def test_migration_cost_charges_experts_and_changed_layers():
     start = [contiguous(4, 2, X[0, 0])]
     assert refine(start, X, [start[0].rank_of], move_rows=5.0)[0].rank_of != [0, 0, 1, 1]
     assert refine(start, X, [start[0].rank_of], move_rows=5.0, layer_rows=11.0)[0].rank_of == [0, 0, 1, 1]
-
-
-def test_place_demand_moves_a_layer_only_where_the_gain_beats_the_price():
-    from arbor.plan.routepack import place_demand
-    d = np.array([[40.0, 30, 20, 10], [12.0, 10, 10, 8]])
-    cur = [[0, 0, 1, 1], [0, 0, 1, 1]]
-    free = place_demand(d, 2, cur)
-    assert [p.max_load for p in free] == [50.0, 20.0]
-    # layer 0 gains 20 rows, layer 1 gains 2: at 4 rows per moved expert only layer 0 moves
-    priced = place_demand(d, 2, cur, move_rows=4.0)
-    assert priced[0].rank_of == free[0].rank_of and priced[1].rank_of == cur[1] and priced[1].max_load == 22.0
-    assert [p.rank_of for p in place_demand(d, 2, cur, move_rows=1.0, layer_rows=30.0)] == cur
-    assert [p.rank_of for p in place_demand(d, 2, None, move_rows=1e9)] == [p.rank_of for p in place(
-        [Sample(1, d)], 2)]                                             # no current placement: nothing to pay
-    with pytest.raises(ValueError, match="tolerance"):
-        place_demand(d, 2, cur, tolerance=-1.0)

@@ -42,6 +42,7 @@ import numpy as np
 
 from arbor.bench.common import add_moe_shape_arguments, median, print_table, write_result
 from arbor.bench.ep import cpu_seconds, model_shape
+from arbor.bench.plan_cost import bench_cost_model
 from arbor.plan import AnnealConfig, CostModel, Sample, kk_workload, plan_window, routepack, token_balance
 from arbor.plan.routepack import moved, step_lower_bound
 from arbor.plan.traces import synthetic
@@ -209,24 +210,8 @@ def run(out_dir="bench_results", device="cpu", shape=None, windows=20, samples=6
     if step_samples > samples:
         raise ValueError(f"--step-samples ({step_samples}) must be ≤ --samples ({samples}): measured recorded steps "
                          "take the first samples of the recorded windows")
-    if cost_file and Path(cost_file).exists():
-        cost = CostModel.load(cost_file)
-    else:
-        import torch
-
-        from arbor.models.random_init import random_moe_model
-        from arbor.distributed import DistContext
-        from arbor.train.plan_calibrate import calibrate
-        from arbor.train.plan_calibrate_ep import calibrate_ep, calibrate_migration, with_ep_fit, with_migration
-        print("calibrating the cost model on this machine (as `arbor plan calibrate --ep`: 2 EP ranks) ...", flush=True)
-        cost = calibrate(random_moe_model(shape, DistContext.single(), torch.device("cpu")), repeats=3, threads=1)
-        cost = with_ep_fit(cost, calibrate_ep(shape, repeats=3, timeout_s=timeout_s, max_tokens=cap))
-        cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
-        cost.save(Path(out_dir) / "routepack_cost.json")
-    if measure and cost.move_s is None and (move_s is None or move_layer_s is None):
-        from arbor.train.plan_calibrate_ep import calibrate_migration, with_migration
-        print("the cost file has no migration measurement: measuring it on 2 ranks ...", flush=True)
-        cost = with_migration(cost, calibrate_migration(shape, repeats=3, timeout_s=timeout_s))
+    need = measure and (move_s is None or move_layer_s is None)
+    cost, _ = bench_cost_model(shape, cap, out_dir, cost_file, timeout_s, need_migration=need)
     move_s = cost.move_s if move_s is None else move_s
     move_layer_s = cost.move_layer_s if move_layer_s is None else move_layer_s
     print(f"cost model: a={cost.a:.3g} s/token, b={cost.b:.3g} s/token², c1={cost.c1:.3g} s/sequence, "

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "engine-profile", "ep", "routepack",
+              "routepack-rl",
               "cluster", "makespan", "ttft", "sandbox", "train-memory", "lora", "render"]
 
 

@@ -131,35 +131,6 @@ def place(samples: list[Sample], ep_size: int, current: list[list[int]] | None =
             for l in range(len(d))]
 
 
-def place_demand(demand: np.ndarray, ep_size: int, current: list[list[int]] | None = None, tolerance: float = 0.0,
-                 move_rows: float = 0.0, layer_rows: float = 0.0) -> list[pl.Placement]:
-    """Placements from a window's aggregate demand [Lm, E] alone (no layout: what the RL trainer has).
-
-    Per MoE layer ``placement.balanced`` (moves from ``current`` kept within ``tolerance``); with
-    ``current`` and a migration price in routed rows (``move_rows`` per moved expert, ``layer_rows``
-    per layer changed: the cost model's ``move_s / e`` and ``move_layer_s / e``), that placement is
-    refined on the aggregate as one slot charging its moves (``placement.refine``), and the current
-    placement is kept unless the candidate's max EP-rank load + its migration price is lower than the
-    current max load: a window's EP time (e × max load, the bound the aggregate gives) must gain more
-    than the migration costs."""
-    d = np.asarray(demand, dtype=float)
-    for name, value in (("tolerance", tolerance), ("move_rows", move_rows), ("layer_rows", layer_rows)):
-        if not (value >= 0 and np.isfinite(value)):
-            raise ValueError(f"place_demand: {name} must be a finite number ≥ 0, got {value!r}")
-    out = []
-    for l in range(len(d)):
-        cur = None if current is None else list(current[l])
-        cand = pl.balanced(d[l], ep_size, cur, tolerance=tolerance)
-        if cur is not None and (move_rows or layer_rows):
-            cand = pl.relabel(pl.refine([cand], d[l][None, None, :], [cur], move_rows, layer_rows=layer_rows)[0], cur)
-            moves = int(np.sum(np.asarray(cand.rank_of) != np.asarray(cur)))
-            stay = pl.rank_loads(d[l], cur, ep_size).max()
-            if not cand.max_load + move_rows * moves + layer_rows * (moves > 0) < stay:
-                cand = pl.from_ranks(cur, ep_size, d[l])
-        out.append(cand)
-    return out
-
-
 def routepack(samples: list[Sample], ep_size: int, dp_size: int, token_cap: int, cost: CostModel | None = None,
               current: list[list[int]] | None = None, anneal_cfg: AnnealConfig | None = None,
               placements: list[pl.Placement] | None = None, tolerance: float = 0.0, move_s: float = 0.0,

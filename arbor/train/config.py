@@ -23,6 +23,7 @@ from arbor.data.rewards import RewardConfig
 from arbor.distributed import DistConfig
 from arbor.engine.config import EngineConfig
 from arbor.models.lora import LoRAConfig
+from arbor.rollout.agent_config import AgentConfig, check_agent_run
 from arbor.rollout.collector import RolloutConfig
 from arbor.rollout.sandbox import SandboxConfig
 from arbor.train.losses import LossConfig
@@ -99,6 +100,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward.fns=["math", "my_rewards.py:fn"], reward.weights, …
     tools: list[str] = field(default_factory=list)   # tool functions offered to the model: ["my_tools.py:search", …]
     env: str = ""                # an environment instead of rows + rewards + tools: "my_env.py:MyEnv"
+    agent: AgentConfig = field(default_factory=AgentConfig)   # agent=my_agent.py:run: an OpenAI-client agent (docs/agents.md)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # where tool code runs: sandbox.packages, sandbox.files, sandbox.timeout_s, …
     seed: int = 0
     steps: int = 20
@@ -126,7 +128,7 @@ class RLConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0))
     c3po: C3POConfig = field(default_factory=C3POConfig)
     dist: DistConfig = field(default_factory=DistConfig)   # multi-rank layout (under `arbor launch`)
-    plan: PlanConfig = field(default_factory=PlanConfig)   # RoutePack: re-place experts every plan.window steps (EP)
+    plan: PlanConfig = field(default_factory=PlanConfig)   # which rank trains which sample: plan.layout, plan.routepack (EP)
     log: LogConfig = field(default_factory=LogConfig)       # OUT/metrics.jsonl, TensorBoard, W&B, progress bar
     dllm: EBPOConfig = field(default_factory=EBPOConfig)   # a block-diffusion model: EBPO (arbor.dllm.ebpo_trainer)
     memory_check: bool = True    # print the memory plan and stop (exit 2) before step one when it does not fit
@@ -142,9 +144,13 @@ class RLConfig:
         if self.dist.fsdp and self.lora.enabled:
             from arbor.train.fsdp import refuse
             raise refuse("with LoRA (lora.rank > 0) only the adapters train, and their optimizer state is small")
+        if self.plan.routepack and not self.replay_routing:
+            raise ValueError("plan.routepack=true plans from the engine's expert ids: it needs replay_routing=true")
         if self.rollout.overlap and self.loss.correction == "none":
             raise ValueError("rollout.overlap=true needs loss.correction tis or icepop (the behaviour policy lags "
                              "the trained one by a version), got loss.correction='none'")
+        if self.agent.fn:
+            check_agent_run(self)
         for key, source in DERIVED_ENGINE_KEYS.items():
             if getattr(self.engine, key) != getattr(EngineConfig, key):
                 raise ValueError(f"engine.{key} is set from {source}; set that instead "

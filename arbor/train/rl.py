@@ -16,7 +16,8 @@ waits for all of them (the synchronous baseline).
 On several ranks (``arbor launch -n N train …``): each rank runs its own engine (experts split
 over the EP group for an MoE model, the engine in lockstep) on its own groups — rank r takes
 problems r, r + N, … and the per-rank ``groups_per_step`` / ``token_budget`` — so advantages stay
-per group; the policy loss is averaged over the samples of all ranks and gradients are summed over
+per group; the step's layout (``arbor.train.step_layout``: ``plan.layout``, ``plan.routepack``) may then
+move samples between ranks to balance their work; the policy loss is averaged over the samples of all ranks and gradients are summed over
 ranks (``arbor.train.distributed``); metrics are reduced and rank 0 logs them; a checkpoint holds
 each rank's state and resumes only at the same world size.
 
@@ -39,7 +40,7 @@ import torch
 from arbor.data.order import epoch_of, row_index
 from arbor.distributed import DistContext
 from arbor.models.sampling import SamplingSpec
-from arbor.rollout.collector import Collector
+from arbor.train.agent_run import make_collector
 from arbor.train.checkpoint import settings_of
 from arbor.train.config import RLConfig
 from arbor.train.distributed import global_count, set_recompute
@@ -49,6 +50,7 @@ from arbor.train.optim import make_optimizer
 from arbor.train.rl_eval import evaluate_rows
 from arbor.train.rl_update import PolicyUpdate, flat
 from arbor.train.routepack_hook import RoutePackHook
+from arbor.train.step_layout import lay_out
 from arbor.train.run_log import RunLog
 
 
@@ -65,7 +67,7 @@ class RLTrainer(PolicyUpdate):
         self.cfg, self.model, self.tok, self.engine, self.task = cfg, model, tokenizer, engine, task
         self.prefetched = None             # overlap: the next step's (trees, pool, stats), rolled out at θ_t
         self._rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="arbor-rollout") if self.overlap else None
-        self.collector = Collector(engine, tokenizer, cfg.rollout, sampling_factory, cfg.data.template_kwargs)
+        self.collector = make_collector(cfg, engine, tokenizer, sampling_factory, task, model)   # agent.fn: the agent's
         self.sampling_factory = sampling_factory
         set_recompute(model, cfg.recompute)
         self.reference = None
@@ -75,7 +77,7 @@ class RLTrainer(PolicyUpdate):
         if self.ctx.fsdp:            # after the engine and the reference took their whole copies (arbor.train.fsdp)
             shard_trainer_model(model, engine, self.ctx)
         self.optimizer = make_optimizer(model, cfg.optim)
-        self.routepack = RoutePackHook(cfg.plan, model, self.optimizer, engine, self.ctx)
+        self.routepack = RoutePackHook(cfg, model, self.optimizer, engine, self.ctx)
         r = cfg.rollout     # the trainer's log-probs are those of the distribution the engine sampled from
         self.spec = SamplingSpec(temperature=r.temperature if r.temperature > 0 else 1.0, top_p=r.top_p)
         self.rows = task.train
@@ -179,10 +181,13 @@ class RLTrainer(PolicyUpdate):
             row.update(zip(names, map(int, self.ctx.sum_floats([rstats[k] for k in names], "rollout stats"))))
         if not total:
             return row
+        layout = lay_out(self, trajs, self.advantages(trajs))     # may move samples and experts (collective)
+        trajs = layout.trajs
+        row.update(layout.stats)
         skip = self.skips_recompute
-        logp_old, logp_ref, ent = (None, None, [0.0, 0.0]) if skip else self.recompute_old(trajs)
+        logp_old, logp_ref, ent = (None, None, [0.0, 0.0]) if skip else self.recompute_old(trajs, layout)
         t2 = time.perf_counter()
-        row.update(self.train_on(trajs, logp_old, logp_ref, entropy=ent if skip else None))
+        row.update(self.train_on(trajs, logp_old, logp_ref, entropy=ent if skip else None, layout=layout))
         if self.ctx.distributed:
             ent = self.ctx.sum_floats(ent, "entropy")
         row["entropy"] = ent[0] / max(1.0, ent[1])
@@ -190,7 +195,6 @@ class RLTrainer(PolicyUpdate):
         t3 = time.perf_counter()
         oldest = min((v for v in flat(trajs, "versions") if v >= 0), default=self.collector.version)
         staleness = self.collector.version - oldest   # policy versions behind the one trained
-        row.update(self.routepack.after_step(trajs, self.step))      # may migrate experts (collective)
         row.update(recompute_s=t2 - t1, train_s=t3 - t2)
         reward_sum = sum(t.reward for t in trajs)
         if self.ctx.distributed:

@@ -9,7 +9,8 @@ Given a step's trajectories (tokens as sampled, loss masks, the engine's log-pro
    a mini-batch's loss is ``policy_loss`` (PPO clip, IcePop / TIS against μ) averaged over its
    samples of all ranks, accumulated over micro-batches of ≤ ``tree.token_cap`` tokens.
 
-Micro-batches are first-fit-decreasing bins (``arbor.plan.packing``) of trajectories, or, in tree
+Which rank trains which sample in which micro-batch is the step's layout (``arbor.train.step_layout``);
+the local one: first-fit-decreasing bins (``arbor.plan.packing``) of the rank's trajectories, or, in tree
 mode, of whole groups counted by their compact tokens (each shared prefix once). Under expert
 parallelism every rank runs as many forward(+backward) passes as the busiest (idle passes).
 """
@@ -24,6 +25,7 @@ from arbor.train.distributed import global_count, run_idle_passes
 from arbor.train.fsdp import is_fsdp
 from arbor.train.logprobs import packed_logprobs
 from arbor.train.precision import autocast, upcast
+from arbor.train.step_layout import local_layout
 from arbor.train.losses import policy_loss
 from arbor.train.optim import optimizer_step
 from arbor.train.tree_batch import build_tree
@@ -74,12 +76,13 @@ class PolicyUpdate:
                 out = packed_logprobs(model, seqs, **kw)
         return (upcast(out[0]), *out[1:])
 
-    def recompute_old(self, trajs):
+    def recompute_old(self, trajs, layout=None):
         """→ (logp_old per trajectory: the trainer's log-probs at θ_old, logp_ref per trajectory or
-        None, {entropy sum, tokens} of π_old over the loss tokens); no gradient."""
+        None, {entropy sum, tokens} of π_old over the loss tokens); no gradient. ``layout``: the step's
+        ``StepLayout`` (``trajs`` are then its trajectories; its micro-batches are used)."""
         old, ref = [None] * len(trajs), [None] * len(trajs) if self.reference is not None else None
         ent = [0.0, 0.0]
-        micros = self.micro_batches(trajs)
+        micros = layout.micros if layout is not None else self.micro_batches(trajs)
         missing = self._missing_passes(len(micros))
         with torch.no_grad():
             for micro in micros:
@@ -95,6 +98,12 @@ class PolicyUpdate:
                         ref[i] = refp[cu[j]:cu[j + 1]]
             self._idle_passes(missing, with_reference=ref is not None)
         return old, ref, ent
+
+    def advantages(self, trajs) -> torch.Tensor:
+        """Per-sample advantages over each group (``advantage``: GRPO or RLOO), the groups whole in ``trajs``."""
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        return group_advantages(rewards, torch.tensor([t.group for t in trajs], dtype=torch.long),
+                                self.cfg.advantage, self.cfg.normalize_std)
 
     @property
     def skips_recompute(self) -> bool:
@@ -140,23 +149,25 @@ class PolicyUpdate:
             parts[g % len(parts)].extend(members)
         return parts
 
-    def train_on(self, trajs, logp_old, logp_ref=None, entropy: list | None = None) -> dict:
+    def train_on(self, trajs, logp_old, logp_ref=None, entropy: list | None = None, layout=None) -> dict:
         """``ppo_epochs`` passes over the samples, each ``mini_batches`` optimizer steps; advantages
         once per step. The first optimizer step has r ≡ 1; later ones see how far θ moved from θ_old,
         so the clip and the dual clip act. → step metrics (token-weighted over all optimizer steps).
         ``logp_old`` None (only with one optimizer step, ``skips_recompute``): each micro-batch's own
-        forward, detached, is θ_old's; ``entropy`` then receives [entropy sum, tokens] of π_old."""
+        forward, detached, is θ_old's; ``entropy`` then receives [entropy sum, tokens] of π_old.
+        ``layout``: the step's ``StepLayout`` (``arbor.train.step_layout``; ``trajs`` are its
+        trajectories, its advantages and micro-batches are used); default: the local one."""
         if logp_old is None and self.cfg.ppo_epochs * self.cfg.mini_batches != 1:
             raise ValueError("logp_old may be None only with one optimizer step per RL step")
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        adv = group_advantages(rewards, torch.tensor([t.group for t in trajs], dtype=torch.long),
-                               self.cfg.advantage, self.cfg.normalize_std)
+        if layout is None:
+            layout = local_layout(self, trajs, self.advantages(trajs))
+        adv = layout.adv
         stats, norms, skipped = {}, [], 0.0
         aux = self.model.config.moe_layers and self.cfg.moe_aux_coef > 0
         self.model.train()
         for _ in range(self.cfg.ppo_epochs):
-            for mini in self.mini_batches(trajs):
-                self._train_mini(trajs, mini, adv, logp_old, logp_ref, stats, entropy)
+            for micros in layout.minis:
+                self._train_mini(trajs, micros, adv, logp_old, logp_ref, stats, entropy)
                 opt = optimizer_step(self.model, self.optimizer, self.step, self.cfg.steps, self.cfg.optim, self.ctx)
                 if opt["skipped"]:
                     skipped += 1
@@ -169,13 +180,14 @@ class PolicyUpdate:
                    lr=opt["lr"], optimizer_steps=len(norms), skipped_steps=skipped)
         return out
 
-    def _train_mini(self, trajs, mini: list[int], adv, logp_old, logp_ref, stats: dict, entropy: list | None = None) -> None:
-        """Forward + backward of one mini-batch (its micro-batches); the loss is the mean over the
-        mini-batch's samples of all ranks. Accumulates token-weighted loss statistics in ``stats``."""
+    def _train_mini(self, trajs, micros: list[list[int]], adv, logp_old, logp_ref, stats: dict,
+                    entropy: list | None = None) -> None:
+        """Forward + backward of one mini-batch (its micro-batches: indices into ``trajs``); the loss is the
+        mean over the mini-batch's samples of all ranks. Accumulates token-weighted loss statistics in ``stats``."""
         dev = self.model.device
+        mini = [i for m in micros for i in m]
         n = global_count(len(mini), self.ctx, "sum", "samples")
         aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
-        micros = [[mini[i] for i in m] for m in self.micro_batches([trajs[i] for i in mini])]
         pos = {t: p for p, t in enumerate(mini)}          # sample index inside the mini-batch
         missing = self._missing_passes(len(micros))
         for micro in micros:

@@ -1,23 +1,29 @@
-"""RoutePack in the RL trainer: re-place experts every ``plan.window`` steps from observed routing.
+"""RoutePack in the RL trainer, proactive: each step's own samples place the experts, pack the rows and
+lay out the micro-batches before the step trains (``plan.routepack=true``, expert parallelism).
 
-With ``plan.routepack=true`` on an expert-parallel run (``dist.ep_size`` > 1) the trainer counts,
-over a window of ``plan.window`` optimizer steps, the routed copies d_l[e] of every MoE layer from
-the trajectories' replayed expert ids (the engine's choices; tokens it did not route are not
-counted), summed over all ranks. After the window's last optimizer step every rank computes the
-same balanced placement (``window_placements`` → ``arbor.plan.routepack.place_demand``: labels
-matched to the current one, experts kept in place while the max load stays within ``plan.tolerance``
-of the balanced optimum, and, with a migration price — ``plan.move_s`` per moved expert and
-``plan.move_layer_s`` per changed layer, by default the values ``arbor plan calibrate`` measured
-into the cost file ``plan.cost_file`` — a layer moves only where the window's EP time, e × its max
-load, gains more than its migration costs) and migrates experts with their weights and AdamW
-moments (``arbor.models.expert_migration``) before the engine's weight sync; an engine that holds
-its own copy of the weights is relabelled first, so ``update_weights`` lands every expert in its
-new slot. Routing and the loss are unchanged.
+Routing replay makes every sample's length and expert demand known before its training step: the
+engine's expert id per model token (``replay_routing``). Rank 0 plans from the step's samples of all
+ranks (``arbor.train.step_layout``) and every rank applies the plan:
 
-Where the data come from: each rank trains its own trajectories in RL, so only the placement part
-of RoutePack applies here (``arbor bench routepack`` measures the full plan). The window's counts
-are part of the checkpoint, and the placement is saved with the model state (``save_state``), so a
-resumed run continues with the same placement and window.
+1. samples: per unit (a trajectory; in tree mode a group) its tokens n and demand d[l, e] = routed
+   copies of its tokens per MoE layer l and expert e. Tokens the engine did not route (prompt and
+   environment tokens route themselves in training) are counted at the sample's own rate:
+   d = d_known · n_traj / n_known, and a group's tree scales the sum by compact / total tokens;
+2. on the first step of every window of ``plan.window`` steps, ``arbor.plan.routepack.plan_window``
+   with the step's parts (its ``mini_batches`` optimizer steps) as the window's steps: one placement per
+   MoE layer from their demand, kept where it is unless the modeled gain on this step beats the migration
+   price shared by the window's steps ((``plan.move_s`` per moved expert + ``plan.move_layer_s`` per changed
+   layer) ÷ ``plan.window``; the prices are the cost file's, measured by ``arbor plan calibrate``): the
+   step's demand stands for the window's, the placement serves all of them; then per part certified row packing and the annealed layout of the cells
+   cells[rank][micro]; on the window's other steps the same under the standing placement;
+3. experts whose rank changes migrate with their weights and AdamW moments
+   (``arbor.models.expert_migration``) before the step's first pass; an engine holding its own copy is
+   relabelled, so the next weight sync lands every expert in its new slot.
+
+Routing and the loss are unchanged: only which rank computes what. A step whose samples cannot fill
+the grid (fewer units than cells, a unit above ``tree.token_cap``) falls back to the LPT layout under
+the standing placement (``routepack_fallback``). The placement is saved with the model state, so a
+resumed run continues with it.
 """
 
 from __future__ import annotations
@@ -26,18 +32,15 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from arbor.models.expert_migration import migrate_experts, placements_of, set_placement
-from arbor.models.expert_parallel import ExpertPlacement
-from arbor.plan.placement import rank_loads
-from arbor.plan.routepack import place_demand
 
 
 @dataclass
 class PlanConfig:
-    routepack: bool = False      # re-place experts every `window` steps (expert-parallel runs only)
-    window: int = 4              # optimizer steps per planning window
+    routepack: bool = False      # RoutePack (EP + replay_routing): each step's samples place experts and lay out micro-batches
+    layout: str = "auto"         # DP layout of a step's samples without routepack: auto | local | lpt | kk (arbor.train.step_layout)
+    window: int = 4              # RoutePack re-places experts on the first of every `window` steps (between: layout only)
     tolerance: float = 0.0       # keep experts in place while the max EP load is within this (relative) of the optimum
     move_s: float | None = None  # modeled s per migrated expert; default: the cost file's (plan calibrate), else 0
     move_layer_s: float | None = None   # modeled seconds per MoE layer whose placement changes; default as move_s
@@ -47,8 +50,12 @@ class PlanConfig:
         from pathlib import Path
 
         from arbor.configs import check
+        from arbor.train.step_layout import LAYOUTS
         finite = lambda v: v is None or (v >= 0 and v != float("inf"))      # also false for NaN
         check(self, (self.window >= 1, "window", "must be ≥ 1"),
+              (self.layout in LAYOUTS, "layout", f"must be one of {', '.join(LAYOUTS)}"),
+              (not self.routepack or self.layout == "auto", "layout",
+               "is RoutePack's own with plan.routepack=true: leave plan.layout at auto"),
               (finite(self.tolerance), "tolerance", "must be a finite number ≥ 0 (e.g. 0.02: 2 % above the optimum)"),
               (finite(self.move_s), "move_s", "must be a finite number ≥ 0 (seconds per migrated expert)"),
               (finite(self.move_layer_s), "move_layer_s", "must be a finite number ≥ 0 (seconds per changed layer)"),
@@ -61,8 +68,7 @@ class PlanConfig:
         cost file was measured on another model shape than ``model_config``'s."""
         import sys
 
-        from arbor.plan.cost import CostModel
-        cost = CostModel.load(self.cost_file or None)
+        cost = self.cost_model()
         move_s = self.move_s if self.move_s is not None else (cost.move_s or 0.0)
         layer_s = self.move_layer_s if self.move_layer_s is not None else (cost.move_layer_s or 0.0)
         shape = cost.meta.get("shape") or {}
@@ -75,62 +81,90 @@ class PlanConfig:
                   "(run `arbor plan calibrate --model DIR --out FILE`, set plan.cost_file)", file=sys.stderr)
         return move_s, layer_s, cost.e
 
+    def cost_model(self):
+        from arbor.plan.cost import CostModel
+        return CostModel.load(self.cost_file or None)
 
-def window_placements(total: np.ndarray, current: dict[int, ExpertPlacement], tolerance: float = 0.0,
-                      move_s: float = 0.0, move_layer_s: float = 0.0, e: float = 1.0):
-    """A window's demand [Lm, E] (routed copies, all ranks) and the current placements → (new placements,
-    max ÷ mean EP load per layer before, after). ``arbor.plan.routepack.place_demand``: balanced from
-    ``current`` within ``tolerance``; with a migration price (seconds per moved expert and per changed
-    layer, over ``e`` seconds per routed row) a layer moves only where the window's EP time gains more."""
-    layers = sorted(current)
-    rows = (lambda s: s / e) if e > 0 else (lambda s: 0.0)
-    plans = place_demand(total[layers], current[layers[0]].ep_size, [current[m].rank_of for m in layers],
-                         tolerance, rows(move_s), rows(move_layer_s))
-    new, before, after = {}, [], []
-    for m, plan in zip(layers, plans):
-        p = current[m]
-        new[m] = ExpertPlacement(plan.rank_of, plan.slot_of, p.ep_size)
-        old_loads = rank_loads(total[m], p.rank_of, p.ep_size)
-        before.append(float(old_loads.max() / max(old_loads.mean(), 1e-12)))
-        after.append(plan.max_over_mean)
-    return new, before, after
+
+def unit_demand(trajs, members: list[int], tokens: int, num_experts: int) -> np.ndarray:
+    """[Lm, E] routed copies of a unit's ``tokens`` (module docstring, step 1)."""
+    total, seen = None, 0
+    for i in members:
+        ids = trajs[i].routed_experts.numpy()                      # [Lm, T, k], −1 = not routed by the engine
+        known = int((ids[0, :, 0] >= 0).sum())
+        seen += len(trajs[i].tokens)
+        if not known:
+            continue
+        counts = np.stack([np.bincount(l[l >= 0], minlength=num_experts) for l in ids.reshape(ids.shape[0], -1)])
+        part = counts * (len(trajs[i].tokens) / known)
+        total = part if total is None else total + part
+    if total is None:
+        return np.zeros((trajs[members[0]].routed_experts.shape[0], num_experts))
+    return total * (tokens / max(1, seen))
 
 
 class RoutePackHook:
-    def __init__(self, cfg: PlanConfig, model, optimizer, engine, ctx):
+    def __init__(self, cfg, model, optimizer, engine, ctx):
+        """``cfg``: the run's ``RLConfig``."""
         self.cfg, self.model, self.optimizer, self.engine, self.ctx = cfg, model, optimizer, engine, ctx
-        self.active = cfg.routepack and getattr(model, "ep_state", None) is not None
-        self.demand = None
-        self.move_s, self.move_layer_s, self.e = cfg.migration_price(model.config) if self.active else (0.0, 0.0, 1.0)
+        self.plan_cfg = cfg.plan
+        self.cost = cfg.plan.cost_model()
+        self.active = cfg.plan.routepack
+        if self.active and (getattr(model, "ep_state", None) is None or not cfg.replay_routing):
+            raise ValueError("plan.routepack=true needs an MoE model with its experts split over ranks "
+                             "(`arbor launch -n N train …`, dist.ep_size > 1) and replay_routing=true: it plans "
+                             "from the engine's expert ids; set plan.routepack=false (plan.layout balances "
+                             "samples without it)")
+        self.move_s, self.move_layer_s, _ = cfg.plan.migration_price(model.config) if self.active else (0.0, 0.0, 1.0)
 
-    def observe(self, trajs) -> None:
-        ids = [t.routed_experts for t in trajs if t.routed_experts is not None]
-        if not ids:
-            return
-        flat = torch.cat([x.reshape(x.shape[0], -1) for x in ids], 1).cpu().numpy()     # [Lm, copies]
-        E = self.model.config.num_experts
-        counts = np.stack([np.bincount(row[row >= 0], minlength=E) for row in flat]).astype(np.float64)
-        self.demand = counts if self.demand is None else self.demand + counts
-
-    def after_step(self, trajs, step: int) -> dict:
-        """Count this step's routing; at a window's end re-place and migrate (collective). → metrics."""
-        if not self.active:
-            return {}
-        self.observe(trajs)
-        if (step + 1) % self.cfg.window:
-            return {}
-        t0 = time.perf_counter()
+    def plan(self, trajs, per_part, step: int):
+        """Rank 0: → (unit cells per part, new placements or None, stats); (None, None, stats) to fall back."""
+        from arbor.plan import plan_window, routepack
+        from arbor.plan import placement as pl
+        from arbor.plan.routepack import Sample, moved
         current = placements_of(self.model)
-        Lm, E = len(current), self.model.config.num_experts
-        mine = self.demand if self.demand is not None else np.zeros((Lm, E))
-        total = np.asarray(self.ctx.sum_floats(mine.ravel().tolist(), "routepack demand")).reshape(Lm, E)
-        new, before, after = window_placements(total, current, self.cfg.tolerance, self.move_s, self.move_layer_s,
-                                               self.e)
-        info = migrate_experts(self.model, self.ctx, new, self.optimizer)
+        layers, ep, E = sorted(current), self.ctx.ep_size, self.model.config.num_experts
+        rank_of = [current[m].rank_of for m in layers]
+        if any(t.routed_experts is None for t in trajs) or any(not us for us, _ in per_part):
+            return self.fall_back(step, "a sample without replayed expert ids, or an optimizer step without samples")
+        steps = [[Sample(n, unit_demand(trajs, u, n, E)) for u, n in zip(us, tok)] for us, tok in per_part]
+        world, cap = self.ctx.world_size, self.cfg.tree.token_cap
+        try:
+            if step % self.plan_cfg.window == 0:       # the placement serves the window: its steps share a move's price
+                w = self.plan_cfg.window
+                plans = plan_window(steps, ep, world, cap, self.cost, rank_of, tolerance=self.plan_cfg.tolerance,
+                                    move_s=self.move_s / w, move_layer_s=self.move_layer_s / w)
+            else:
+                demand = sum(s.expert_counts for part in steps for s in part)
+                keep = [pl.from_ranks(r, ep, demand[l]) for l, r in enumerate(rank_of)]
+                plans = [routepack(part, ep, world, cap, self.cost, placements=keep) for part in steps]
+        except ValueError as e:
+            return self.fall_back(step, str(e))
+        new = plans[0].placements
+        demand = sum(s.expert_counts for part in steps for s in part)
+        peak = lambda r: float(np.mean([pl.rank_loads(demand[l], r[l], ep).max() / max(demand[l].sum() / ep, 1e-12)
+                                        for l in range(len(layers))]))
+        stats = {"routepack_moved": float(moved(new, rank_of)), "routepack_fallback": 0.0,
+                 "ep_peak_before": peak(rank_of), "ep_peak_after": peak([p.rank_of for p in new]),
+                 "plan_energy_s": float(sum(p.energy for p in plans)),
+                 "certified": float(all(p.packing is None or p.packing.certified for p in plans))}
+        changed = any(p.rank_of != r for p, r in zip(new, rank_of))
+        raw = {m: {"rank_of": list(p.rank_of), "slot_of": list(p.slot_of), "ep_size": ep}
+               for m, p in zip(layers, new)} if changed else None
+        return [p.cells for p in plans], raw, stats
+
+    def fall_back(self, step: int, why: str):
+        import sys
+        print(f"plan: step {step}: RoutePack cannot plan this step ({why}); it trains under the LPT layout "
+              "and the standing placement", file=sys.stderr, flush=True)
+        return None, None, {"routepack_fallback": 1.0}
+
+    def apply(self, placements) -> dict:
+        """Every rank: migrate to ``placements`` (weights + AdamW moments; collective), relabel the engine."""
+        t0 = time.perf_counter()
+        info = migrate_experts(self.model, self.ctx, placements, self.optimizer)
         self.relabel_engine()
-        self.demand = None
-        return {"routepack_moved": info["moved"], "routepack_s": time.perf_counter() - t0,
-                "ep_peak_before": float(np.mean(before)), "ep_peak_after": float(np.mean(after))}
+        return {"migrate_s": time.perf_counter() - t0, "migrate_bytes": float(info["bytes_sent"])}
 
     def relabel_engine(self) -> None:
         """An engine with its own weight copy takes the trainer's placement (its tensors follow by name)."""
@@ -140,11 +174,10 @@ class RoutePackHook:
             set_placement(em, placements_of(self.model))
 
     def state_dict(self) -> dict:
-        return {"demand": None if self.demand is None else self.demand.tolist()}
+        return {}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """Restore the window's counts; the placement itself comes back with the model (``load_state``)."""
-        if state and state.get("demand") is not None:
-            self.demand = np.asarray(state["demand"], dtype=np.float64)
+        """The placement comes back with the model (``load_state``); the engine takes it."""
         if self.active:
             self.relabel_engine()
+

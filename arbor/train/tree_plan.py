@@ -6,11 +6,15 @@ tokens excluded), so ranks receive balanced real work.
 
 - ``assign_lpt(work, num_bins)``: greedy longest-processing-time — items in decreasing work, each
   to the currently lightest bin. Makespan ≤ (4/3 − 1/(3m))·OPT (Graham).
+- ``plan_rows(row_tokens, dp_size, token_cap)``: rows to ranks by LPT, then token-capped micro-batches
+  on each rank: ``arbor train``'s ``plan.layout=lpt`` (``arbor.train.step_layout``).
 """
 
 from __future__ import annotations
 
 import heapq
+
+from arbor.plan.packing import first_fit_decreasing
 
 
 def assign_lpt(work: list[int], num_bins: int) -> list[list[int]]:
@@ -26,15 +30,14 @@ def assign_lpt(work: list[int], num_bins: int) -> list[list[int]]:
     return out
 
 
-def plan_rows(row_tokens: list[int], dp_size: int, micro_per_rank: int | None = None) -> list[list[list[int]]]:
-    """Rows → ranks (LPT over dp_size) → micro-batch slots (LPT inside each rank).
+def plan_rows(row_tokens: list[int], dp_size: int, token_cap: int) -> list[list[list[int]]]:
+    """Rows → ranks (greedy LPT over ``dp_size`` by tokens) → each rank's rows into micro-batches of
+    ≤ ``token_cap`` tokens (first-fit decreasing; a row above the cap trains alone).
 
-    row_tokens: compact tokens per row. micro_per_rank: slots per rank (default: one row per
-    slot). → plan[rank][slot] = row indices."""
-    ranks = assign_lpt(row_tokens, dp_size)
+    row_tokens: compact tokens per row. → plan[rank][micro] = row indices. Every row appears once;
+    the ranks' token totals differ by at most the largest row (LPT)."""
     plan = []
-    for rows in ranks:
-        slots = micro_per_rank or max(len(rows), 1)
-        inner = assign_lpt([row_tokens[r] for r in rows], slots)
-        plan.append([[rows[i] for i in slot] for slot in inner])
+    for rows in assign_lpt(row_tokens, dp_size):
+        bins = first_fit_decreasing([row_tokens[r] for r in rows], token_cap)
+        plan.append([[rows[i] for i in b] for b in bins])
     return plan
