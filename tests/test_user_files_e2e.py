@@ -10,10 +10,11 @@ quarter of the rows and guess a color on the rest, so the SFT model mostly guess
 """
 
 import json
-import random
 import re
+import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,8 +22,7 @@ pytestmark = pytest.mark.multiprocess
 TIMEOUT_S = 120
 COLORS = {"banana": "yellow", "lime": "green", "plum": "purple", "cherry": "red", "orange": "orange",
           "blueberry": "blue"}
-NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ida", "Jon", "Kim", "Lou", "Max", "Ned", "Ola",
-         "Pam", "Roy", "Sam", "Tia", "Uma", "Vic"]
+ROOT = Path(__file__).resolve().parents[1]
 TOOLS = f'''
 COLORS = {COLORS!r}
 
@@ -46,25 +46,11 @@ def is_color(prompt, completion, **row):                  # Arbor form: one samp
 
 
 def write_user_files(folder):
-    """The user's files (module docstring) → their paths."""
-    rng = random.Random(0)
-    rows = lambda names: [{"prompt": f"What color is {n}'s {f}?", "answer": c} for n in names for f, c in COLORS.items()]
-    train, test = rows(NAMES[:14]), rows(NAMES[14:])            # held-out rows: other names
-    sft = []
-    for row in train * 2:
-        fruit = row["prompt"].rsplit(" ", 1)[1].rstrip("?")
-        msgs = [{"role": "user", "content": row["prompt"]}]
-        if rng.random() < 0.25:
-            call = {"type": "function", "function": {"name": "color", "arguments": {"fruit": fruit}}}
-            msgs += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": row["answer"]}]
-            msgs.append({"role": "assistant", "content": row["answer"]})
-        else:
-            msgs.append({"role": "assistant", "content": rng.choice(list(COLORS.values()))})
-        sft.append({"messages": msgs})
-    paths = {}
-    for name, data in (("train.jsonl", train), ("test.jsonl", test), ("sft.jsonl", sft)):
-        paths[name] = folder / name
-        paths[name].write_text("".join(json.dumps(r) + "\n" for r in data))
+    """The user's files (module docstring; the rows are examples/openai-agent's, from the same
+    fruit colors) → their paths."""
+    make_data = runpy.run_path(str(ROOT / "examples" / "openai-agent" / "make_data.py"))   # the example's rows
+    make_data["main"](folder)
+    paths = {name: folder / name for name in ("train.jsonl", "test.jsonl", "sft.jsonl")}
     for name, text in (("tools.py", TOOLS), ("rewards.py", REWARDS)):
         paths[name] = folder / name
         paths[name].write_text(text)

@@ -103,7 +103,6 @@ def global_layout(update, trajs, adv, kind: str) -> StepLayout:
     part_of = {i: k for k, part in enumerate(update.mini_batches(trajs)) for i in part}
     sent = [(t, float(adv[i]), part_of[i]) for i, t in enumerate(trajs)]
     every = [x for rank in ctx.all_gather_object(sent, "step samples") for x in rank]
-    gathered_s = time.perf_counter() - t0
     plan = None
     if ctx.is_main:
         plan = plan_step(update, [t for t, _, _ in every], [k for _, _, k in every], kind)
@@ -120,8 +119,7 @@ def global_layout(update, trajs, adv, kind: str) -> StepLayout:
         minis.append(micros)
     tokens = [sum(len(every[i][0].tokens) for part in plan["cells"] for c in part[r] for i in c)
               for r in range(ctx.world_size)]
-    stats.update(layout_s=time.perf_counter() - t0, layout_gather_s=gathered_s,
-                 rank_tokens_max_over_mean=max(tokens) * len(tokens) / max(1, sum(tokens)))
+    stats.update(layout_s=time.perf_counter() - t0, rank_tokens_max_over_mean=balance(tokens))
     return StepLayout([every[i][0] for i in mine], torch.tensor([every[i][1] for i in mine], dtype=torch.float32),
                       minis, stats)
 
@@ -148,8 +146,19 @@ def plan_step(update, trajs, part: list[int], kind: str) -> dict:
 
 
 def lay_out(update, trajs, adv) -> StepLayout:
-    """This step's layout (module docstring) of this rank's ``trajs`` with their advantages ``adv``."""
+    """This step's layout (module docstring) of this rank's ``trajs`` with their advantages ``adv``. Its
+    stats, logged with the step: ``layout_s`` (gathering, planning, broadcasting), ``plan_s`` (rank 0's
+    planning), ``rank_tokens_max_over_mean``, and RoutePack's own."""
     kind = resolve(update.cfg, update.ctx.world_size)
-    if kind == "local" or not update.ctx.distributed:
-        return local_layout(update, trajs, adv)
-    return global_layout(update, trajs, adv, kind)
+    if kind != "local" and update.ctx.distributed:
+        return global_layout(update, trajs, adv, kind)
+    t0 = time.perf_counter()
+    layout = local_layout(update, trajs, adv)
+    tokens = update.ctx.all_gather_object(sum(len(t.tokens) for t in trajs), "step tokens")
+    layout.stats.update(layout_s=time.perf_counter() - t0, plan_s=0.0, rank_tokens_max_over_mean=balance(tokens))
+    return layout
+
+
+def balance(tokens: list[int]) -> float:
+    """max ÷ mean of the ranks' trained tokens (1: balanced)."""
+    return max(tokens) * len(tokens) / max(1, sum(tokens))
