@@ -1,7 +1,8 @@
 """RoutePack inside ``arbor train``: the RL update on 2 EP ranks, RoutePack vs Karmarkar–Karp + static
 experts, on the same recorded samples (``arbor bench routepack-rl``).
 
-A random-weight Qwen3-MoE model (``--hidden`` … ``--vocab``; the built-in tokenizer's vocabulary) is
+A random-weight Qwen3-MoE model (``--hidden``, ``--experts``, ``--top-k``, ``--moe-intermediate``,
+``--layers``; the built-in tokenizer's vocabulary) is
 saved as a model folder; 2 ranks × 1 thread (``routepack_rl_worker``) each build ``arbor train``'s
 ``RLTrainer`` twice from it, once with ``plan.routepack=true`` and once with ``plan.layout=kk`` (experts
 stay contiguous), and roll out ``--warmup + --windows`` steps of the ``longtail`` task (long-tailed
