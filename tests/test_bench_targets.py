@@ -8,7 +8,7 @@ from statistics import median
 
 import pytest
 
-from arbor.cli import BENCHMARKS, build_parser, main
+from arbor.cli import BENCHMARKS, main
 
 SMALL = {
     "model": ["--batch", "1", "--seq-len", "32", "--repeats", "1"],

@@ -13,7 +13,7 @@ from arbor.plan import AnnealConfig, CostModel, Sample, balanced, karmarkar_karp
 from arbor.plan.cost import fit
 from arbor.plan.layout import anneal, energy
 from arbor.plan.packing import best_fit_decreasing, lower_bound_l1, lower_bound_l2, min_slack
-from arbor.plan.routepack import grid_start, place, problem, step_lower_bound
+from arbor.plan.routepack import grid_start, problem, step_lower_bound
 from arbor.plan.traces import synthetic
 
 COST = CostModel(a=2e-4, b=1e-7, e=1e-4, c0=5e-3)

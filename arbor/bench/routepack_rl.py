@@ -77,7 +77,8 @@ def run(out_dir="bench_results", shape_args=None, windows=6, warmup=1, repeats=2
         common = [f"model={Path(tmp) / 'model'}", "task=longtail", f"seed={seed}", f"groups_per_step={groups}",
                   f"rollout.branch=[{branch}]", f"rollout.max_turn_tokens={max_tokens}",
                   f"rollout.max_context={max_tokens + 96}", "c3po.enabled=false", "tree.enabled=false",
-                  f"tree.token_cap={token_cap}", f"plan.window={plan_window}", f"mini_batches={mini_batches}", "checkpoint_every=0",
+                  f"tree.token_cap={token_cap}", f"plan.window={plan_window}", f"mini_batches={mini_batches}",
+                  "checkpoint_every=0",
                   f"plan.cost_file={json.dumps(str(cost_path))}", f"out={Path(tmp) / 'out'}"]
         spec = {"model": str(Path(tmp) / "model"), "common": common, "methods": METHODS, "windows": windows,
                 "warmup": warmup, "repeats": repeats, "timeout_s": min(timeout_s, 600.0)}
@@ -86,15 +87,17 @@ def run(out_dir="bench_results", shape_args=None, windows=6, warmup=1, repeats=2
                      threads=1, timeout_s=timeout_s, echo=None)
         lines = [line for out in res.output for line in out if line.startswith(MARK)]
         if res.returncode or not lines:
-            raise RuntimeError("routepack-rl ranks failed:\n" + "\n".join(line for out in res.output for line in out[-30:]))
+            tails = "\n".join(line for out in res.output for line in out[-30:])
+            raise RuntimeError("routepack-rl ranks failed:\n" + tails)
     got = json.loads(lines[0][len(MARK):])
     measured = range(got["warmup"], len(got["tokens"]))
-    tps = {m: [got["tokens"][k] / median(got["seconds"][m][k]) for k in measured] for m in METHODS}
+    step_s = {m: [median(got["seconds"][m][k]) for k in measured] for m in METHODS}   # median of the repeats
+    tps = {m: [got["tokens"][k] / t for k, t in zip(measured, step_s[m])] for m in METHODS}
     ratio = [r / k for r, k in zip(tps["RoutePack"], tps["KK + static"])]
     stats = {m: {key: median([s[key] for k in measured for s in got["stats"][m][k] if key in s])
                  for key in {key for k in measured for s in got["stats"][m][k] for key in s}} for m in METHODS}
-    rows = [[k, got["tokens"][k]] + [f"{median(got['seconds'][m][k]):.3f}" for m in METHODS]
-            + [f"{ratio[i]:.3f}"] for i, k in enumerate(measured)]
+    rows = [[k, got["tokens"][k]] + [f"{step_s[m][i]:.3f}" for m in METHODS] + [f"{ratio[i]:.3f}"]
+            for i, k in enumerate(measured)]
     print_table("RL update on 2 EP ranks (seconds: slowest rank, median of repeats)",
                 ["step", "tokens", *METHODS, "RoutePack / KK tokens/s"], rows)
     keys = sorted({k for m in METHODS for k in stats[m]})
@@ -104,11 +107,12 @@ def run(out_dir="bench_results", shape_args=None, windows=6, warmup=1, repeats=2
     result = {"benchmark": "routepack-rl",
               "config": {"shape": shape, "windows": windows, "warmup": warmup, "repeats": repeats, "groups": groups,
                          "branch": branch, "max_tokens": max_tokens, "token_cap": token_cap,
-                         "mini_batches": mini_batches, "seed": seed, "router_skew": router_skew, "plan_window": plan_window, "threads": got["threads"], "ranks": 2,
+                         "mini_batches": mini_batches, "seed": seed, "router_skew": router_skew,
+                         "plan_window": plan_window, "threads": got["threads"], "ranks": 2,
                          "cost_model": {"a": cost.a, "b": cost.b, "e": cost.e, "c0": cost.c0, "move_s": cost.move_s,
                                         "move_layer_s": cost.move_layer_s}},
               "tokens": [got["tokens"][k] for k in measured],
-              "step_s": {m: [median(got["seconds"][m][k]) for k in measured] for m in METHODS},
+              "step_s": step_s,
               "tokens_per_s": {m: median(v) for m, v in tps.items()}, "ratio_per_window": ratio,
               "ratio_median": value, "ratio_min": min(ratio), "ratio_max": max(ratio), "stats": stats,
               "targets": [target("trainer tokens/s, RoutePack / KK + static", value, ">= 1.10", value >= 1.10)]}

@@ -181,7 +181,6 @@ def tree_gated_deltanet(layer, x: torch.Tensor, plan: LinearPlan, state: LinearS
     Every root starts from the zero state (a tree batch holds whole trajectories)."""
     if state is not None:
         raise ValueError("tree batches start every root from the zero state; pass states=None")
-    T = x.shape[0]
     mixed, z, b, a = layer.conv_inputs(x)
     K = layer.conv_kernel
     window = path_window(plan, K).to(x.device)                      # [T, K]; T = the zero row

@@ -276,7 +276,7 @@ def check(inp: PlanInputs, job: str, enforce: bool = True, show: bool = True) ->
             f"{job} would need {need / GIB:.1f} GiB and {available / GIB:.1f} GiB are free, so it stops before step one. "
             "Largest: " + "; ".join(f"{n} {b / GIB:.1f} GiB ({knob})" if knob else f"{n} {b / GIB:.1f} GiB"
                                    for n, b, knob in top)
-            + f". Set memory_check=false to run anyway (`arbor plan memory` prints the plan of any settings)")
+            + ". Set memory_check=false to run anyway (`arbor plan memory` prints the plan of any settings)")
     return items
 
 

@@ -235,14 +235,14 @@ class RLTrainer(PolicyUpdate):
     def state_dict(self) -> dict:
         return {"pool": self.pool, "next_problem": self.next_problem, "next_group": self.next_group,
                 "version": self.collector.version, "python_rng": random.getstate(),
-                "routepack": self.routepack.state_dict(), "prefetched": self.prefetched}
+                "prefetched": self.prefetched}
 
     def load_state_dict(self, s: dict) -> None:
         self.pool, self.next_problem, self.next_group = s["pool"], s["next_problem"], s["next_group"]
         self.collector.version = s["version"]
         self.prefetched = s.get("prefetched")     # overlap: the next step's batch, rolled out before the save
         random.setstate(s["python_rng"])
-        self.routepack.load_state_dict(s.get("routepack"))
+        self.routepack.relabel_engine()     # the placement came back with the model (load_state)
         fresh = self.task.make_env()
         for ep in self.pool:                # carried episodes: their loaded functions are not in the checkpoint
             if hasattr(ep.env, "bind"):

@@ -14,8 +14,9 @@ ranks (``arbor.train.step_layout``) and every rank applies the plan:
    MoE layer from their demand, kept where it is unless the modeled gain on this step beats the migration
    price shared by the window's steps ((``plan.move_s`` per moved expert + ``plan.move_layer_s`` per changed
    layer) ÷ ``plan.window``; the prices are the cost file's, measured by ``arbor plan calibrate``): the
-   step's demand stands for the window's, the placement serves all of them; then per part certified row packing and the annealed layout of the cells
-   cells[rank][micro]; on the window's other steps the same under the standing placement;
+   step's demand stands for the window's, the placement serves all of them; then per part certified row
+   packing and the annealed layout of the cells cells[rank][micro]; on the window's other steps the same
+   under the standing placement;
 3. experts whose rank changes migrate with their weights and AdamW moments
    (``arbor.models.expert_migration``) before the step's first pass; an engine holding its own copy is
    relabelled, so the next weight sync lands every expert in its new slot.
@@ -109,13 +110,13 @@ class RoutePackHook:
         self.cfg, self.model, self.optimizer, self.engine, self.ctx = cfg, model, optimizer, engine, ctx
         self.plan_cfg = cfg.plan
         self.cost = cfg.plan.cost_model()
-        self.active = cfg.plan.routepack
-        if self.active and (getattr(model, "ep_state", None) is None or not cfg.replay_routing):
+        active = cfg.plan.routepack
+        if active and (getattr(model, "ep_state", None) is None or not cfg.replay_routing):
             raise ValueError("plan.routepack=true needs an MoE model with its experts split over ranks "
                              "(`arbor launch -n N train …`, dist.ep_size > 1) and replay_routing=true: it plans "
                              "from the engine's expert ids; set plan.routepack=false (plan.layout balances "
                              "samples without it)")
-        self.move_s, self.move_layer_s, _ = cfg.plan.migration_price(model.config) if self.active else (0.0, 0.0, 1.0)
+        self.move_s, self.move_layer_s, _ = cfg.plan.migration_price(model.config) if active else (0.0, 0.0, 1.0)
 
     def plan(self, trajs, per_part, step: int):
         """Rank 0: → (unit cells per part, new placements or None, stats); (None, None, stats) to fall back."""
@@ -129,19 +130,18 @@ class RoutePackHook:
             return self.fall_back(step, "a sample without replayed expert ids, or an optimizer step without samples")
         steps = [[Sample(n, unit_demand(trajs, u, n, E)) for u, n in zip(us, tok)] for us, tok in per_part]
         world, cap = self.ctx.world_size, self.cfg.tree.token_cap
+        demand = sum(s.expert_counts for part in steps for s in part)             # [Lm, E] over the step
         try:
             if step % self.plan_cfg.window == 0:       # the placement serves the window: its steps share a move's price
                 w = self.plan_cfg.window
                 plans = plan_window(steps, ep, world, cap, self.cost, rank_of, tolerance=self.plan_cfg.tolerance,
                                     move_s=self.move_s / w, move_layer_s=self.move_layer_s / w)
             else:
-                demand = sum(s.expert_counts for part in steps for s in part)
                 keep = [pl.from_ranks(r, ep, demand[l]) for l, r in enumerate(rank_of)]
                 plans = [routepack(part, ep, world, cap, self.cost, placements=keep) for part in steps]
         except ValueError as e:
             return self.fall_back(step, str(e))
         new = plans[0].placements
-        demand = sum(s.expert_counts for part in steps for s in part)
         peak = lambda r: float(np.mean([pl.rank_loads(demand[l], r[l], ep).max() / max(demand[l].sum() / ep, 1e-12)
                                         for l in range(len(layers))]))
         stats = {"routepack_moved": float(moved(new, rank_of)), "routepack_fallback": 0.0,
@@ -172,12 +172,4 @@ class RoutePackHook:
         em = getattr(inner, "model", None)
         if em is not None and em is not self.model and getattr(em, "ep_state", None) is not None:
             set_placement(em, placements_of(self.model))
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        """The placement comes back with the model (``load_state``); the engine takes it."""
-        if self.active:
-            self.relabel_engine()
 

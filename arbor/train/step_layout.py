@@ -80,10 +80,6 @@ def units(trajs, idx: list[int], tree: bool) -> tuple[list[list[int]], list[int]
     return out, [build_tree([trajs[i].tokens for i in u]).num_tokens for u in out]
 
 
-def lpt_cells(tokens: list[int], world: int, cap: int) -> list[list[list[int]]]:
-    return plan_rows(tokens, world, cap)
-
-
 def kk_cells(tokens: list[int], world: int, cap: int, cost) -> list[list[list[int]]]:
     """Karmarkar–Karp cells (``kk_workload``; no expert counts: it keeps the static placement); a unit
     above the cap → LPT's cells."""
@@ -91,7 +87,7 @@ def kk_cells(tokens: list[int], world: int, cap: int, cost) -> list[list[list[in
 
     from arbor.plan import Sample, kk_workload
     if max(tokens) > cap:
-        return lpt_cells(tokens, world, cap)
+        return plan_rows(tokens, world, cap)
     plan = kk_workload([Sample(n, np.zeros((1, 1))) for n in tokens], 1, world, cap, cost)
     return [[c for c in rank if c] for rank in plan.cells]
 
@@ -137,7 +133,7 @@ def plan_step(update, trajs, part: list[int], kind: str) -> dict:
     if unit_cells is None:
         cap = cfg.tree.token_cap
         make = (lambda tok: kk_cells(tok, world, cap, update.routepack.cost)) if kind == "kk" else \
-            (lambda tok: lpt_cells(tok, world, cap))
+            (lambda tok: plan_rows(tok, world, cap))
         unit_cells = [make(tok) for _, tok in per_part]
     cells = [[[[i for u in cell for i in us[u]] for cell in rank] for rank in uc]
              for (us, _), uc in zip(per_part, unit_cells)]
@@ -147,8 +143,8 @@ def plan_step(update, trajs, part: list[int], kind: str) -> dict:
 
 def lay_out(update, trajs, adv) -> StepLayout:
     """This step's layout (module docstring) of this rank's ``trajs`` with their advantages ``adv``. Its
-    stats, logged with the step: ``layout_s`` (gathering, planning, broadcasting), ``plan_s`` (rank 0's
-    planning), ``rank_tokens_max_over_mean``, and RoutePack's own."""
+    stats, logged with the step: ``layout_s`` (gathering, planning, broadcasting, RoutePack's migration),
+    ``plan_s`` (rank 0's planning), ``rank_tokens_max_over_mean``, and RoutePack's own."""
     kind = resolve(update.cfg, update.ctx.world_size)
     if kind != "local" and update.ctx.distributed:
         return global_layout(update, trajs, adv, kind)
