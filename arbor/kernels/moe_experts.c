@@ -50,7 +50,10 @@ static inline __attribute__((always_inline)) void gate_up_tile(const uint16_t *x
         float gs[16], us[16];
         _mm512_storeu_ps(gs, g[r]); _mm512_storeu_ps(us, u[r]);
         #pragma omp simd
-        for (int i = 0; i < 16; i++) gs[i] = gs[i] / (1.0f + expf(-gs[i])) * us[i];
+        for (int i = 0; i < 16; i++) {     /* e^{−g} clamped: -ffast-math assumes expf never overflows */
+            const float z = -gs[i] < 88.f ? -gs[i] : 88.f;
+            gs[i] = gs[i] / (1.0f + expf(z)) * us[i];
+        }
         store_bf16(h + (long)(p0 + r) * I + col, _mm512_loadu_ps(gs));
     }
 }
