@@ -38,37 +38,133 @@ class Experts(nn.Module):
 
     def grouped(self, xs: list[torch.Tensor]) -> torch.Tensor | None:
         """xs[e]: the rows for local expert e (possibly none) → the outputs of every non-empty group,
-        concatenated in expert order; None when all are empty. The weights are split with one
-        ``unbind`` per call: indexing ``gate_up_proj[e]`` per expert would make backward build and add
-        a zero gradient of the whole [E, …] tensor for every expert."""
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        out = []
-        for e, x in enumerate(xs):
-            if x.shape[0]:
-                gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-                out.append(F.linear(F.silu(gate) * up, down[e]))
-        return torch.cat(out) if out else None
+        concatenated in expert order; None when all are empty (``RoutedRows`` on their concatenation)."""
+        counts = [x.shape[0] for x in xs]
+        if not any(counts):
+            return None
+        return RoutedRows.apply(torch.cat(xs), None, self.gate_up_proj, self.down_proj, counts)
 
 
-def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+class RoutedRows(torch.autograd.Function):
+    """Grouped SwiGLU experts on rows sorted by expert, forward and backward on the routed rows only.
+
+    x [R, D] holds ``counts[e]`` rows for expert e, in expert order; w [R] (or None: 1) weights them:
+    ``h = x G_eᵀ`` ([g | u], 2I wide), ``a = silu(g) · u``, ``y = w · (a D_eᵀ)``. Backward, per expert
+    that has rows, with ``dy' = w · dy``: ``dD_e = dy'ᵀ a``, ``da = dy' D_e``, ``du = da · silu(g)``,
+    ``dg = da · u · silu'(g)``, ``dG_e = [dg | du]ᵀ x``, ``dx = [dg | du] G_e``, ``dw = Σ_D dy · (a D_eᵀ)``.
+    Each product is one GEMM per expert written in place into one buffer (no per-expert zero gradient
+    of the whole [E, …] tensor, no concatenation); experts without rows get a zero weight gradient.
+    Saved: x, h and the unweighted y (when w needs a gradient); a is recomputed from h."""
+
+    @staticmethod
+    def forward(ctx, x, w, gate_up, down, counts):
+        spans = [(e, a, a + n) for e, (a, n) in enumerate(zip(_starts(counts), counts)) if n]
+        inter = down.shape[2]
+        h = x.new_empty(x.shape[0], 2 * inter)
+        y = x.new_empty(x.shape[0], down.shape[1])
+        for e, a, b in spans:
+            torch.mm(x[a:b], gate_up[e].t(), out=h[a:b])
+        act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+        for e, a, b in spans:
+            torch.mm(act[a:b], down[e].t(), out=y[a:b])
+        ctx.spans = spans
+        ctx.save_for_backward(x, w, gate_up, down, h, y if w is not None and ctx.needs_input_grad[1] else None)
+        return y if w is None else y * w[:, None]
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w, gate_up, down, h, y = ctx.saved_tensors
+        need_x, need_w, need_gu, need_down, _ = ctx.needs_input_grad
+        inter, spans = down.shape[2], ctx.spans
+        g, u = h[:, :inter], h[:, inter:]
+        silu_g = F.silu(g)
+        dw = (dout * y).sum(-1) if need_w else None
+        dy = (dout * w[:, None] if w is not None else dout).contiguous()
+        d_down = _empty_grad(down, spans) if need_down else None
+        da = dout.new_empty(dout.shape[0], inter)
+        act = silu_g * u if need_down else None         # recomputed: cheaper than keeping [R, I]
+        for e, a, b in spans:
+            torch.mm(dy[a:b], down[e], out=da[a:b])
+            if need_down:
+                torch.mm(dy[a:b].t(), act[a:b], out=d_down[e])
+        dh = torch.empty_like(h)
+        torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dh[:, :inter])
+        torch.mul(da, silu_g, out=dh[:, inter:])
+        dx = torch.empty_like(x) if need_x else None
+        d_gate_up = _empty_grad(gate_up, spans) if need_gu else None
+        for e, a, b in spans:
+            if need_x:
+                torch.mm(dh[a:b], gate_up[e], out=dx[a:b])
+            if need_gu:
+                torch.mm(dh[a:b].t(), x[a:b], out=d_gate_up[e])
+        return dx, dw, d_gate_up, d_down, None
+
+
+def _starts(counts: list[int]) -> list[int]:
+    out, a = [], 0
+    for n in counts:
+        out.append(a)
+        a += n
+    return out
+
+
+def _empty_grad(weight: torch.Tensor, spans) -> torch.Tensor:
+    """An uninitialised gradient of ``weight`` [E, …] with the experts that have no rows zeroed."""
+    grad = torch.empty_like(weight)
+    used = torch.zeros(weight.shape[0], dtype=torch.bool)
+    used[[e for e, _, _ in spans]] = True
+    grad[~used.to(weight.device)] = 0
+    return grad
+
+
+def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+                     pad: int | None = None) -> torch.Tensor:
     """x [T, D], ids/weights [T, k] → Σ_j weights[:, j] · expert_{ids[:, j]}(x), [T, D].
 
-    Token copies are sorted by expert so each expert runs one matmul on a contiguous slice;
-    the loop is over experts, never over tokens. An expert module with a ``serve`` method (the
-    engine's packed CPU copy) may serve the call itself (when it returns a tensor)."""
+    Token copies are sorted by expert (one stable argsort) and gathered once; ``RoutedRows`` runs each
+    expert that received tokens on its contiguous slice, weighted, and one ``index_add_`` sums the
+    copies back per token; the loop is over experts, never over tokens. In bfloat16 / float16 on CPU
+    every expert's slice is padded to a multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
+    which add exactly 0 to every output and gradient): oneDNN builds a kernel per GEMM shape, so
+    rows counts that change every step would pay that build on every GEMM. An expert module with a
+    ``serve`` method (the engine's packed CPU copy) may serve the call itself (when it returns a
+    tensor); one that overrides ``grouped`` is called through it outside autograd."""
     serve = getattr(experts, "serve", None)
     if serve is not None and (y := serve(x, ids, weights)) is not None:
         return y
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
-    token = order // k
-    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    rows = experts.grouped(list(take_rows(x, token).split(counts)))
-    if rows is None:
-        return torch.zeros_like(x)
-    y = rows * weights.reshape(-1)[order, None].to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    if type(experts).grouped is not Experts.grouped and not torch.is_grad_enabled():
+        token = order // k
+        rows = experts.grouped(list(take_rows(x, token).split(counts.tolist())))
+        if rows is None:
+            return torch.zeros_like(x)
+        return torch.zeros_like(x).index_add_(0, token, rows * weights.reshape(-1)[order, None].to(x.dtype))
+    if pad is None:
+        pad = PAD_ROWS if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else 1
+    if pad > 1:
+        order, counts = padded_order(order, counts, pad)
+    copy_weights = torch.cat([weights.reshape(-1).to(x.dtype), weights.new_zeros(1, dtype=x.dtype)])
+    token = torch.where(order < flat.shape[0], order // k, 0)
+    rows = RoutedRows.apply(take_rows(x, token), take_rows(copy_weights, order), experts.gate_up_proj,
+                            experts.down_proj, counts.tolist())
+    return torch.zeros_like(x).index_add_(0, token, rows)
+
+
+PAD_ROWS = 32
+
+
+def padded_order(order: torch.Tensor, counts: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [R], counts [E]) of copies sorted by expert → (order with each expert's run padded to a
+    multiple of ``pad`` by the index R (no copy), padded counts)."""
+    padded = (counts + pad - 1) // pad * pad
+    start = torch.cumsum(padded, 0) - padded
+    rank = torch.arange(order.shape[0], device=order.device) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+    out = order.new_full((int(padded.sum()),), order.shape[0])
+    out[start.repeat_interleave(counts) + rank] = order
+    return out, padded
 
 
 class MoE(nn.Module):
