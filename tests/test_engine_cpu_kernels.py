@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from arbor.engine import EngineConfig, LLMEngine, SamplingParams
 from arbor.kernels import cpu_attention, cpu_moe
-from arbor.engine.cpu_linear import DENSE_MAX_TOKENS, PackedExperts, PackedLinear, available as packing_available
+from arbor.engine.cpu_linear import PackedExperts, PackedLinear, available as packing_available
 from arbor.models.moe import Experts, dispatch_experts
 from arbor.models import CausalLM, ModelConfig
 from tests.conftest import TINY
@@ -174,10 +174,10 @@ def test_packed_bf16_linears_are_exact_and_follow_weight_updates(family):
 def test_packing_keeps_hybrid_moe_outputs(routed, monkeypatch):
     """Gated attention (q_proj twice as wide), Gated DeltaNet, MoE router and shared expert. Experts
     run by the routed C kernel (float32 sums, within bfloat16 rounding of the float32 reference), or
-    without it by oneDNN: packed per-expert GEMMs bit-identical, a step of ≤ DENSE_MAX_TOKENS
-    tokens as two dense GEMMs over every expert (another summation order). Either way the same
+    without it by oneDNN: packed per-expert GEMMs bit-identical, or two dense GEMMs over every expert
+    where the cost model (``step_costs``) picks them (another summation order). Either way the same
     greedy tokens as the plain path, log-probs within bfloat16 rounding; new weights reach the
-    packed copies."""
+    packed copies (tokens equal but at near-ties: the dense path's order flips one there)."""
     import copy
     from tests.test_model_attention import HYBRID
     if routed and cpu_moe.load_kernel() is None:
@@ -203,15 +203,13 @@ def test_packing_keeps_hybrid_moe_outputs(routed, monkeypatch):
             rows = [x[:3], x[:0], x[3:], x[:1]] + [x[:0]] * (e.gate_up_proj.shape[0] - 4)
             assert torch.equal(e.grouped(rows), Experts.grouped(e, rows))
         assert_near_exact(e.serve(x, ids, w), bf16, exact)             # 10× bfloat16's own error (measured ≤ 1×)
-        if not routed:
-            assert e.serve(torch.randn(DENSE_MAX_TOKENS + 1, x.shape[1]).bfloat16(), ids, w) is None  # many tokens
     prompts = [[t % 64 for t in p] for p in PROMPTS]
     assert_same_tokens(greedy(packed, prompts), greedy(plain, prompts), copy.deepcopy(model).bfloat16(), prompts)
     with torch.no_grad():                                           # new weights reach the packed copies
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     packed.update_weights(model.state_dict())
-    assert_same_tokens(greedy(packed, prompts), greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
+    assert_same_tokens_but_near_ties(greedy(packed, prompts), greedy(LLMEngine(copy.deepcopy(model).bfloat16(),
                                                                  EngineConfig(dtype="bfloat16", num_blocks=64)), prompts),
                        copy.deepcopy(model).bfloat16(), prompts)
 
@@ -252,7 +250,8 @@ def test_routed_kernel_routes_like_moe_route(norm):
                                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=norm)))
     moe = MoE(cfg).bfloat16().eval()
     moe.experts.__class__ = PackedExperts
-    moe.experts.repack()
+    moe.experts.top_k = 2
+    moe.experts.repack(every_path=True)
     x = torch.randn(37, 64).bfloat16()
     with torch.no_grad():
         y, ids, probs = moe(x)
@@ -279,6 +278,25 @@ def assert_same_tokens(got, ref, model, prompts):
     ``ref``'s own error of the float64 log-probs."""
     assert got[0] == ref[0]
     assert_engine_noise(model, prompts, got, ref)
+
+
+def assert_same_tokens_but_near_ties(got, ref, model, prompts, tie=0.1):
+    """As ``assert_same_tokens`` for engines whose bfloat16 sums run in different orders: the greedy tokens
+    are equal up to a first divergence, where the float64 model's two candidates lie within ``tie`` of each
+    other in log-prob (bfloat16 moves these tiny models' logits by ≤ 0.05 each, measured in
+    test_engine_greedy; two engines: ≤ 0.1); log-probs within engine noise over the common prefix."""
+    import copy
+    model64 = copy.deepcopy(model).double()
+    cut = []
+    for p, a, b in zip(prompts, got[0], ref[0]):
+        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        if j < len(b):
+            gap = exact_logprobs(model64, p, b[:j + 1])[-1] - exact_logprobs(model64, p, b[:j] + [a[j]])[-1]
+            assert abs(float(gap)) <= tie, f"token {j} after {len(p)} prompt tokens: {a[j]} vs {b[j]}, gap {float(gap):.3g}"
+        cut.append(j)
+    assert min(cut) > 0
+    exact = [exact_logprobs(model64, p, t[:j]) for p, t, j in zip(prompts, ref[0], cut)]
+    assert_within_engine_noise([g[:j] for g, j in zip(got[1], cut)], [r[:j] for r, j in zip(ref[1], cut)], exact)
 
 
 def assert_engine_noise(model, prompts, got, ref):

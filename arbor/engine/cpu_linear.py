@@ -9,10 +9,11 @@ weight):
   are split back);
 - every other ``nn.Linear`` becomes a ``PackedLinear``: the same object and ``weight``
   parameter, plus a non-persistent packed buffer;
-- every MoE ``Experts`` module becomes a ``PackedExperts``: in bfloat16 where the routed C kernel
-  runs (``arbor.kernels.cpu_moe``), its weights packed for that kernel, which serves every
-  inference call; otherwise each expert's gate/up and down matrices kept packed for oneDNN (training
-  keeps the parameters).
+- every MoE ``Experts`` module becomes a ``PackedExperts``: its weights packed for the paths a step
+  may take — the routed C kernel (bfloat16, ``arbor.kernels.cpu_moe``), per-expert oneDNN GEMMs over
+  the routed rows (bfloat16; float32 runs ``torch._grouped_mm`` on the parameters), all experts as two
+  dense GEMMs — and each step served by the path a measured cost model (``step_costs``) finds
+  cheapest (training keeps the parameters).
 
 Every attention and MLP module of a packed copy is marked ``engine_owned``: its float32 forwards
 may then run the fused element-wise C ops too (``arbor.kernels.cpu_ops``; last-bit differences).
@@ -36,11 +37,10 @@ from torch import nn
 from arbor.kernels import cpu_moe
 from arbor.models.attention import SoftmaxAttention
 from arbor.models.layers import MLP, silu_mul
-from arbor.models.moe import Experts
+from arbor.models.moe import MoE, Experts
 
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 BATCH_HINT = 16   # oneDNN picks its blocking for this many rows (a decode batch); any row count works
-DENSE_MAX_TOKENS = 16   # without the routed kernel, PackedExperts.dense serves MoE steps of at most this many tokens
 
 
 @cache
@@ -95,49 +95,121 @@ class FusedLinear:
         return _linear(x, self.packed, self.bias).split(self.sizes, -1)
 
 
-class PackedExperts(Experts):
-    """Experts with packed copies for inference (``serve``; under autograd: the parameters):
-    - bfloat16 with the routed kernel (``cpu_moe``): every call, each token through its k experts
-      only (k of E experts' FLOPs per token, one call);
-    - otherwise oneDNN: all experts as two GEMMs (``dense``) for steps of at most
-      ``DENSE_MAX_TOKENS`` tokens, one packed GEMM pair per expert (``grouped``) above."""
+# The MoE step cost model (``step_costs``), fitted to the paths timed on the bench machine (Intel Xeon,
+# AVX-512 BF16 + AMX, 2 threads; hidden 128 and 1024, 8–64 experts, 1–512 tokens; ``arbor bench
+# engine-profile --shape moe32`` times each path, in ``moe_paths_ms``): a path streams the weights of
+# the experts it touches and computes its rows, the slower of the two bounds it, plus its element-wise
+# work (silu · up, weighting) and a fixed cost per call. Relative figures matter (they pick a path).
+BANDWIDTH = 50e9                    # bytes/s of expert weights streamed from memory
+FLOPS = {"routed": 2.0e11,          # the routed C kernel (vdpbf16ps, no AMX)
+         "dense": {torch.bfloat16: 2.0e12, torch.float32: 3.0e11},    # oneDNN, one large GEMM (AMX in bf16)
+         "grouped": {torch.bfloat16: 7.0e11, torch.float32: 3.0e11}}  # per-expert GEMMs of few rows
+CALL_S = {torch.bfloat16: 40e-6, torch.float32: 12e-6}   # per expert of the grouped path (oneDNN / _grouped_mm)
+ELEMENT_S = 1e-9                    # per element of h (silu · up, weighting) in PyTorch
 
-    def repack(self) -> None:
+
+def step_costs(t: int, k: int, e: int, d: int, i: int, touched: int, dtype: torch.dtype, routed: bool) -> dict:
+    """Estimated seconds of one MoE step of t tokens, top-k of e experts (hidden d, intermediate i), of
+    which ``touched`` receive a token, by each path: ``dense`` (every expert on every token: t · e rows,
+    all e experts' weights, one large GEMM pair), ``grouped`` (each touched expert on its routed rows
+    only: t · k rows, a GEMM pair per expert) and, with the kernel, ``routed`` (the same rows and weights
+    in one call, at the kernel's lower FLOP rate). The routed-rows / total ratio k / e decides dense
+    against the others: dense computes e / k times the FLOPs and streams every expert, which wins only
+    where the per-expert calls it saves cost more (few experts, small matrices)."""
+    unit, size = 3 * d * i, torch.finfo(dtype).bits // 8
+
+    def cost(experts, rows, flops, call):
+        return max(experts * unit * size / BANDWIDTH, 2 * rows * unit / flops) + call
+
+    out = {"dense": cost(e, t * e, FLOPS["dense"][dtype], 25e-6 + t * e * i * ELEMENT_S),
+           "grouped": cost(touched, t * k, FLOPS["grouped"][dtype], touched * CALL_S[dtype] + t * k * i * ELEMENT_S)}
+    if routed:
+        out["routed"] = cost(touched, t * k, FLOPS["routed"], 0)
+    return out
+
+
+STEP_TOKENS = [2 ** n for n in range(13)]     # step sizes (tokens) a path must win at to be packed
+
+
+def expected_touched(t: int, k: int, e: int) -> int:
+    """Experts receiving a token of t, k of e each, under uniform routing: e · (1 − (1 − k/e)^t)."""
+    return round(e * (1 - (1 - k / e) ** t))
+
+
+class PackedExperts(Experts):
+    """Experts with packed copies for inference (``serve``; under autograd: the parameters). Each step
+    takes the path ``step_costs`` finds cheapest for its token count and routing:
+    - ``routed``: bfloat16 with the routed kernel (``cpu_moe``): each token through its k experts only,
+      one call (decode-sized steps);
+    - ``grouped``: each expert that received tokens on its routed rows, as a GEMM pair:
+      ``torch._grouped_mm`` over all experts at once (``grouped_mm``); where PyTorch lacks it, oneDNN
+      packed per expert (``serve`` returns None and ``dispatch_experts`` calls ``grouped``);
+    - ``dense``: all experts as two GEMMs over every token (few experts and tiny matrices)."""
+
+    top_k = 1   # the MoE's k, set by ``pack_linears``
+
+    def repack(self, every_path: bool = False) -> None:
+        """Packs a copy of the weights only for the paths that win at some step size of ``STEP_TOKENS``
+        under uniform routing (with skewed routing fewer experts are touched, which favours the routed
+        and grouped paths, never dense): a real MoE model keeps one packed copy beside its parameters,
+        not three. ``grouped`` needs none where ``torch._grouped_mm`` reads the parameters.
+        ``every_path``: pack for every path (tests that force each one)."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        self.routed = None
-        if gate_up.dtype == torch.bfloat16 and cpu_moe.supports(gate_up.shape[2], down.shape[2]):
-            self.routed = (cpu_moe.pack_vnni(gate_up), cpu_moe.pack_vnni(down))
-            self.packed = self.packed_all = None
-            return
-        self.packed = [(_pack(gu), _pack(d)) for gu, d in zip(gate_up.unbind(0), down.unbind(0))]
         e, i2, d = gate_up.shape
-        self.packed_all = (_pack(gate_up.reshape(e * i2, d)), _pack(down.permute(1, 0, 2).reshape(d, e * i2 // 2)))
+        kernel = gate_up.dtype == torch.bfloat16 and cpu_moe.supports(d, i2 // 2)
+        self.routed, self.packed_all = kernel, True        # (candidates while the winners are found)
+        wins = {"routed", "grouped", "dense"} if every_path else \
+            {self.path(t, self.top_k, expected_touched(t, self.top_k, e)) for t in STEP_TOKENS}
+        self.routed = (cpu_moe.pack_vnni(gate_up), cpu_moe.pack_vnni(down)) if kernel and "routed" in wins else None
+        self.packed = None if self.gmm_ok() or "grouped" not in wins else \
+            [(_pack(gu), _pack(d)) for gu, d in zip(gate_up.unbind(0), down.unbind(0))]
+        self.packed_all = (_pack(gate_up.reshape(e * i2, d)), _pack(down.permute(1, 0, 2).reshape(d, e * i2 // 2))) \
+            if "dense" in wins else None
+
+    def gmm_ok(self) -> bool:
+        """The grouped path runs ``torch._grouped_mm`` where PyTorch has it: in float32 faster than
+        per-expert oneDNN calls; in bfloat16 within 10 % of them at a fixed routing, and in the engine,
+        where every step routes other row counts, much faster (oneDNN builds a kernel per GEMM shape):
+        ``arbor bench engine --shape moe32``, mixed256 bf16."""
+        return hasattr(torch, "_grouped_mm")
+
+    def path(self, t: int, k: int, touched: int) -> str:
+        """The cheapest path by ``step_costs`` among those packed (``grouped`` always runs)."""
+        e, i2, d = self.gate_up_proj.shape
+        costs = step_costs(t, k, e, d, i2 // 2, touched, self.gate_up_proj.dtype, bool(self.routed))
+        if not self.packed_all:
+            del costs["dense"]
+        return min(costs, key=costs.get)
 
     def serve(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        """``dispatch_experts(x, ids, weights, self)`` by the fastest packed path, or None (under
-        autograd, or many tokens without the routed kernel: ``grouped`` then serves)."""
+        """``dispatch_experts(x, ids, weights, self)`` by the path ``step_costs`` picks, or None (under
+        autograd, or ``grouped`` without ``torch._grouped_mm``: ``dispatch_experts`` then calls ``grouped``)."""
         if torch.is_grad_enabled():
             return None
-        if self.routed is not None:
+        touched = int(torch.bincount(ids.reshape(-1), minlength=self.num_experts).count_nonzero())
+        path = self.path(x.shape[0], ids.shape[1], touched)
+        if path == "routed":
             return cpu_moe.routed_experts(x, ids, weights, *self.routed)
-        return self.dense(x, ids, weights) if x.shape[0] <= DENSE_MAX_TOKENS else None
+        if path == "dense":
+            return self.dense(x, ids, weights)
+        return self.grouped_mm(x, ids, weights) if self.gmm_ok() else None
 
     def route_and_serve(self, x: torch.Tensor, gate: nn.Module, top_k: int, norm_topk_prob: bool):
         """``MoE.route`` + ``dispatch_experts`` with the routed kernel doing the router's softmax and
         top-k too (one call after the router GEMM instead of six small ops): → (y, ids, probs), or None
-        under autograd or without the routed kernel."""
+        under autograd, without the routed kernel, or where the cost model expects another path to win
+        (the experts it will touch estimated as under uniform routing)."""
         if torch.is_grad_enabled() or self.routed is None or x.dtype != torch.bfloat16:
+            return None
+        if self.path(x.shape[0], top_k, expected_touched(x.shape[0], top_k, self.num_experts)) != "routed":
             return None
         return cpu_moe.route_and_run(x, gate(x), top_k, norm_topk_prob, *self.routed)
 
     def dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``dispatch_experts`` for a few tokens as two GEMMs over every expert:
+        """``dispatch_experts`` as two GEMMs over every expert:
         ``h = silu(x G_eᵀ) · (x U_eᵀ)`` for all e at once, ``y = [w_e · h_e]_e · [D_e]_eᵀ`` with
         w_e the token's routing weight for e (0 where not routed) — Σ_j w_j · E_{ids_j}(x) by
-        linearity, in another summation order. A decode step of T tokens otherwise runs ~2 small
-        GEMMs per touched expert plus sorting and scattering, each call dominated by its overhead;
-        the dense pair computes E / k times the FLOPs of the routed rows, and is used while
-        T ≤ ``DENSE_MAX_TOKENS``, where those FLOPs cost less than the per-expert calls they replace."""
+        linearity, in another summation order; e / k times the FLOPs of the routed rows."""
         t = x.shape[0]
         gate_up, down = self.packed_all
         e, i = self.num_experts, self.down_proj.shape[2]
@@ -146,9 +218,22 @@ class PackedExperts(Experts):
         w = torch.zeros(t, e, dtype=x.dtype).scatter_(1, ids, weights.to(x.dtype))
         return _linear((h * w[..., None]).view(t, e * i), down, None)
 
+    def grouped_mm(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``dispatch_experts`` with one ``torch._grouped_mm`` per matrix over every expert's routed rows
+        (sorted by expert), reading the parameters in place (no copy)."""
+        k, i = ids.shape[1], self.down_proj.shape[2]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        gu = torch._grouped_mm(x[token], self.gate_up_proj.detach().transpose(1, 2), offs=offs)
+        h = silu_mul(gu[:, :i].contiguous(), gu[:, i:].contiguous(), engine_owned=True)
+        y = torch._grouped_mm(h, self.down_proj.detach().transpose(1, 2), offs=offs)
+        return torch.zeros_like(x).index_add_(0, token, y * weights.reshape(-1)[order, None].to(x.dtype))
+
     def grouped(self, xs: list[torch.Tensor]) -> torch.Tensor | None:
-        """``Experts.grouped`` through the packed copies (under autograd, or with the routed
-        kernel's packing only: the parameters)."""
+        """``Experts.grouped`` through the packed copies (under autograd, or in float32 where
+        ``grouped_mm`` serves: the parameters)."""
         if torch.is_grad_enabled() or self.packed is None:
             return super().grouped(xs)
         out = []
@@ -184,10 +269,12 @@ def pack_linears(model: nn.Module, fp32: bool = False) -> int:
     for m in rest:
         m.__class__ = PackedLinear
         m.repack()
-    experts = [m for m in model.modules() if type(m) is Experts]
-    for m in experts:
-        m.__class__ = PackedExperts
-        m.repack()
+    experts = [m.experts for m in model.modules() if isinstance(m, MoE) and type(m.experts) is Experts]
+    for m in model.modules():
+        if isinstance(m, MoE) and type(m.experts) is Experts:
+            m.experts.__class__ = PackedExperts
+            m.experts.top_k = m.top_k
+            m.experts.repack()
     return len(rest) + len(fused) + sum(2 * m.gate_up_proj.shape[0] for m in experts)
 
 

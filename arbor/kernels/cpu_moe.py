@@ -1,7 +1,9 @@
 """Routed MoE experts in bfloat16 on CPU: the C kernel ``moe_experts.c`` (AVX-512 BF16), built by
 ``arbor.kernels.native`` with ``-O3 -march=native -ffast-math -fopenmp``. Each token runs through its
-k experts only, in one call per layer; where the kernel cannot be built or the CPU lacks
-AVX-512 BF16, ``load_kernel()`` is None and the engine keeps its oneDNN path (cpu_linear)."""
+k experts only, in one call per layer: the engine's path for decode-sized steps, where streaming the
+routed experts' weights bounds the step (``cpu_linear.step_costs`` picks it; larger steps go to grouped
+GEMMs). Where the kernel cannot be built or the CPU lacks AVX-512 BF16, ``load_kernel()`` is None and
+the engine keeps its PyTorch paths (cpu_linear)."""
 
 from __future__ import annotations
 
