@@ -49,6 +49,19 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# How transformers' ``tokenizer.parse_response`` (its ``response_template``, transformers ≥ 5.13) reads a turn
+# the template above renders: content, then any <tool_call>{json}</tool_call>, up to <|im_end|>. ``save``
+# writes it beside that template, so the folder's tool calls parse in transformers and TRL's tool loop.
+CHATML_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
 DEFAULT_MODEL_MAX_LENGTH = 32768
 
 
@@ -150,6 +163,7 @@ class Tokenizer:
             "pad_token": self.pad_token,
             **({"bos_token": self.bos_token} if self.bos_token else {}),
             "chat_template": self.chat_template,
+            **({"response_template": CHATML_RESPONSE_TEMPLATE} if self.chat_template == CHATML_TEMPLATE else {}),
             "model_max_length": self.model_max_length,
             "clean_up_tokenization_spaces": False,
             "added_tokens_decoder": {

@@ -1,0 +1,97 @@
+"""The Arbor side of ``arbor bench e2e``, in a child process of its own, and the clock both sides share.
+
+``python -m arbor.bench.e2e_worker --out DIR --seconds S --save-every E --threads T -- KEY=VALUE …``
+builds the trainer of ``arbor train`` from the RL config's ``KEY=VALUE`` overrides (``arbor.train.run.
+build_trainer``: model, colocated engine, task) and runs ``arbor train``'s loop (``arbor.train.loop.run_loop``)
+until the training clock passes ``S`` seconds. Every ``E`` seconds of that clock (checked after each
+step) and at the end the model is saved as an HF folder ``DIR/t{i}`` (``arbor.models.save_model``).
+
+``TrainClock`` is the clock of both systems (TRL's child, ``arbor.bench.rl_trl e2e``, uses it too):
+it starts when the child's ``main`` starts (imports, model load and trainer set-up count, as they
+do for a user) and stops while a snapshot is written, so the saves cost neither side anything.
+``DIR/snapshots.json`` lists ``{"step", "train_s", "path"}`` per save: ``train_s`` is the clock at the
+save, ``step`` the optimizer steps done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+class TrainClock:
+    """Elapsed seconds since ``start`` less the time spent in ``snapshot``; snapshots due every ``every_s``."""
+
+    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None):
+        self.out, self.seconds, self.every_s = Path(out), seconds, every_s
+        self.start = time.perf_counter() if start is None else start
+        self.paused = 0.0
+        self.next_save = every_s
+        self.saves: list[dict] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start - self.paused
+
+    def done(self) -> bool:
+        return self.now() >= self.seconds
+
+    def due(self) -> bool:
+        return self.now() >= self.next_save or self.done()
+
+    def snapshot(self, step: int, save) -> None:
+        """``save(folder)`` writes the model; its time is taken off the clock."""
+        t = self.now()
+        t0 = time.perf_counter()
+        path = self.out / f"t{len(self.saves)}"
+        save(path)
+        self.saves.append({"step": step, "train_s": t, "path": str(path)})
+        (self.out / "snapshots.json").write_text(json.dumps(self.saves, indent=1))
+        while self.next_save <= t:
+            self.next_save += self.every_s
+        self.paused += time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    start = time.perf_counter()
+    p = argparse.ArgumentParser(prog="python -m arbor.bench.e2e_worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--save-every", type=float, required=True)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("overrides", nargs="*", help="RL config KEY=VALUE (as `arbor train` takes them)")
+    a = p.parse_args(argv)
+    import asyncio
+
+    import torch
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from arbor import configs
+    from arbor.models import save_model
+    from arbor.train.config import RLConfig
+    from arbor.train.loop import run_loop
+    from arbor.train.run import build_trainer
+
+    cfg = configs.load(RLConfig, None, a.overrides)
+    cfg.validate()
+    clock = TrainClock(Path(a.out), a.seconds, a.save_every, start)
+    trainer = build_trainer(cfg)
+    rows = []
+
+    def on_row(row):
+        rows.append({k: v for k, v in row.items() if isinstance(v, (int, float))} | {"clock_s": clock.now()})
+        if clock.due():
+            clock.snapshot(trainer.step, lambda path: save_model(trainer.model, path, tokenizer=trainer.tok))
+
+    asyncio.run(run_loop(trainer, cfg.steps, on_row=on_row, until=lambda step: clock.done()))
+    if not clock.saves or clock.saves[-1]["step"] != trainer.step:     # steps ran out before the clock
+        clock.snapshot(trainer.step, lambda path: save_model(trainer.model, path, tokenizer=trainer.tok))
+    print("RESULT " + json.dumps({"snapshots": clock.saves, "steps": trainer.step, "threads": torch.get_num_threads(),
+                                  "step_end_s": [r["clock_s"] for r in rows],
+                                  "samples_per_step": [r.get("samples") for r in rows],
+                                  "train_reward": [r.get("reward") for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
