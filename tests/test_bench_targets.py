@@ -30,7 +30,17 @@ def model_figures(r):
         assert s["median_s"] == t
         assert s["ratio_arbor_over_transformers"] == pytest.approx(t["arbor"] / t["transformers"], **SAME)
         assert s["tokens_per_s"]["arbor"] == pytest.approx(1 * 32 / t["arbor"], **SAME)          # --batch 1 --seq-len 32
-    assert [t["value"] for t in r["targets"]] == [s["ratio_arbor_over_transformers"] for s in r["systems"].values()]
+        assert s["speedup_over_transformers"] == pytest.approx(t["transformers"] / t["arbor"], **SAME)
+    # the tiny shapes: Arbor's time ÷ transformers'; the real-sparsity ones: transformers' ÷ Arbor's, then
+    # per dtype the moe64 ÷ moe32 cost of Arbor
+    expected = [s["ratio_arbor_over_transformers"] if key.split("/")[0] in ("qwen3", "qwen3_moe")
+                else s["speedup_over_transformers"] for key, s in r["systems"].items()]
+    for dtype in ("float32", "bfloat16"):
+        a, b = r["systems"].get(f"moe32/{dtype}"), r["systems"].get(f"moe64/{dtype}")
+        if a and b:
+            expected.append(b["median_s"]["arbor"] / a["median_s"]["arbor"])
+    assert len(expected) > len(r["systems"])
+    assert [t["value"] for t in r["targets"]] == pytest.approx(expected, **SAME)
 
 
 def engine_figures(r):
