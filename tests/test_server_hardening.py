@@ -17,7 +17,7 @@ from arbor.serve.config import ServerConfig
 from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
 from tests.server_helpers import running, tiny_folder, wait_until
 
-LONG = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+LONG = {"model": "tiny", "prompt": "hi", "max_tokens": 5000, "ignore_eos": True, "temperature": 0}   # (long enough that a slow client still finds it running)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def served(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("weights")
     folder = tiny_folder(root / "model")
-    engine = ThreadedAsyncLLMEngine(str(folder), EngineConfig(max_model_len=2048))
+    engine = ThreadedAsyncLLMEngine(str(folder), EngineConfig(max_model_len=8192))
     cfg = ServerConfig(max_n=4, max_prompts=4, max_request_tokens=6000, max_body_bytes=21 << 20,
                        enable_weight_updates=True, weight_updates_root=str(root))
     with running(build_app(engine, "tiny", cfg)) as url, httpx.Client(base_url=url, timeout=30) as client:
@@ -102,7 +102,7 @@ def test_body_size_limit(server):
 def test_health_stays_fast_while_busy_and_rejecting_a_20mb_prompt(server):
     client, engine, _ = server
     huge = json.dumps({"model": "tiny", "prompt": "x" * 20_000_000}).encode()
-    ids = json.dumps({"model": "tiny", "prompt": list(range(100)) * 40}).encode()
+    ids = json.dumps({"model": "tiny", "prompt": list(range(100)) * 90}).encode()
     latencies, stop = [], threading.Event()
 
     def poll():
