@@ -179,7 +179,10 @@ def main(a) -> None:
               "wall_s": wall, "tokens_per_s": tokens / wall, "steps": engine.num_steps,
               "phases_s": phases, "ops": [dict(zip(("op", "seconds", "share", "calls"), o)) for o in ops],
               "targets": []}
-    if "num_experts" in SHAPES[a.shape]:
+    from arbor.engine.cpu_linear import available
+    if "num_experts" in SHAPES[a.shape] and not available(getattr(torch, a.dtype)):
+        result["moe_paths_note"] = f"no oneDNN packed {a.dtype} linear here: the engine runs the plain MoE path"
+    elif "num_experts" in SHAPES[a.shape]:
         result["moe_paths_ms"] = moe_path_times(SHAPES[a.shape], getattr(torch, a.dtype))
         print_table(f"MoE step paths, one layer's experts, {a.dtype}: median ms", ["tokens", *next(iter(
             result["moe_paths_ms"].values()))], [[t, *r.values()] for t, r in result["moe_paths_ms"].items()])
