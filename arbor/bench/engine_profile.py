@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import torch
 
-from arbor.bench.common import print_table, write_result
+from arbor.bench.common import median, print_table, write_result
 
 
 def add_arguments(p) -> None:
@@ -133,7 +133,7 @@ def moe_path_times(cfg: dict, dtype: torch.dtype, sizes=(16, 64, 512), repeats: 
                     t0 = time.perf_counter()
                     fn(x, ids, w)
                     secs.append(time.perf_counter() - t0)
-                row[name] = sorted(secs)[repeats // 2] * 1e3
+                row[name] = median(secs) * 1e3
             row["cost model picks"] = experts.path(t, k, int(torch.bincount(ids.reshape(-1), minlength=e).count_nonzero()))
             out[f"{t} tokens"] = row
     return out

@@ -14,6 +14,8 @@ that moves tokens to experts; expert-parallel execution replaces it.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,7 +60,7 @@ class RoutedRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, gate_up, down, counts):
-        spans = [(e, a, a + n) for e, (a, n) in enumerate(zip(_starts(counts), counts)) if n]
+        spans = [(e, a, a + n) for e, (a, n) in enumerate(zip(accumulate(counts, initial=0), counts)) if n]
         inter = down.shape[2]
         h = x.new_empty(x.shape[0], 2 * inter)
         y = x.new_empty(x.shape[0], down.shape[1])
@@ -98,14 +100,6 @@ class RoutedRows(torch.autograd.Function):
             if need_gu:
                 torch.mm(dh[a:b].t(), x[a:b], out=d_gate_up[e])
         return dx, dw, d_gate_up, d_down, None
-
-
-def _starts(counts: list[int]) -> list[int]:
-    out, a = [], 0
-    for n in counts:
-        out.append(a)
-        a += n
-    return out
 
 
 def _empty_grad(weight: torch.Tensor, spans) -> torch.Tensor:
