@@ -25,6 +25,17 @@ int moe_experts_bf16_available(void) { return 1; }
 
 #define RB 8   /* rows per register tile: 2 · RB gate/up accumulators + 2 weight registers ≤ 32 */
 
+/* A tile's row count as a compile-time constant (one specialised copy per count), so its accumulators
+   stay in registers: with a run-time count GCC spills them to the stack on every input pair. */
+#define ROWS8(fn, n, ...) switch (n) { \
+    case 1: fn(1, __VA_ARGS__); break; case 2: fn(2, __VA_ARGS__); break; case 3: fn(3, __VA_ARGS__); break; \
+    case 4: fn(4, __VA_ARGS__); break; case 5: fn(5, __VA_ARGS__); break; case 6: fn(6, __VA_ARGS__); break; \
+    case 7: fn(7, __VA_ARGS__); break; default: fn(8, __VA_ARGS__); break; }
+#define ROWS16(fn, n, ...) switch (n) { \
+    case 9: fn(9, __VA_ARGS__); break; case 10: fn(10, __VA_ARGS__); break; case 11: fn(11, __VA_ARGS__); break; \
+    case 12: fn(12, __VA_ARGS__); break; case 13: fn(13, __VA_ARGS__); break; case 14: fn(14, __VA_ARGS__); break; \
+    case 15: fn(15, __VA_ARGS__); break; case 16: fn(16, __VA_ARGS__); break; default: ROWS8(fn, n, __VA_ARGS__) }
+
 /* 16 float32 → 16 bfloat16, round to nearest even. */
 static inline __attribute__((always_inline)) void store_bf16(uint16_t *dst, __m512 v) {
     _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
@@ -32,7 +43,7 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *dst, __m5
 
 /* Phase A for rows[0..n) (n ≤ RB) of one expert and one 16-column block: wg, wu point at the
    block's packed gate and up columns ([K/2][16][2]); h rows get 16 bf16 values each. */
-static inline __attribute__((always_inline)) void gate_up_tile(const uint16_t *x, int D, const int32_t *rows, const int n,
+static inline __attribute__((always_inline)) void gate_up_tile(const int n, const uint16_t *x, int D, const int32_t *rows,
         const uint16_t *wg, const uint16_t *wu, uint16_t *h, int I, int p0, int col) {
     __m512 g[RB], u[RB];
     for (int r = 0; r < RB; r++) { g[r] = _mm512_setzero_ps(); u[r] = _mm512_setzero_ps(); }
@@ -60,7 +71,7 @@ static inline __attribute__((always_inline)) void gate_up_tile(const uint16_t *x
 
 /* Phase B for pairs p0..p0+n−1 (n ≤ 2·RB) of one expert and one 16-column block of the output:
    acc_r = h_{p} D_e[block]ᵀ, then y[token] += w · acc_r. */
-static inline __attribute__((always_inline)) void down_tile(const uint16_t *h, int I, int p0, const int n,
+static inline __attribute__((always_inline)) void down_tile(const int n, const uint16_t *h, int I, int p0,
         const uint16_t *wd, const int32_t *token, const float *weight, float *y) {
     __m512 acc[2 * RB];
     for (int r = 0; r < 2 * RB; r++) acc[r] = _mm512_setzero_ps();
@@ -106,7 +117,7 @@ int moe_experts_bf16(const uint16_t *x, int T, const int64_t *ids, const float *
                 for (int p = start[e]; p < start[e + 1]; p += RB) {
                     int n = start[e + 1] - p < RB ? start[e + 1] - p : RB, rows[RB];
                     for (int r = 0; r < n; r++) rows[r] = token[p + r];
-                    gate_up_tile(x, D, rows, n, wg, wu, h, I, p, nb * 16);
+                    ROWS8(gate_up_tile, n, x, D, rows, wg, wu, h, I, p, nb * 16)
                 }
             }
         #pragma omp for schedule(dynamic)
@@ -114,8 +125,10 @@ int moe_experts_bf16(const uint16_t *x, int T, const int64_t *ids, const float *
             float *acc = calloc((size_t)T * 16, sizeof(float));
             for (int e = 0; e < E; e++) {
                 const uint16_t *wd = down + ((long)e * NB2 + nb) * I * 16;
-                for (int p = start[e]; p < start[e + 1]; p += 2 * RB)
-                    down_tile(h, I, p, start[e + 1] - p < 2 * RB ? start[e + 1] - p : 2 * RB, wd, token, weight, acc);
+                for (int p = start[e]; p < start[e + 1]; p += 2 * RB) {
+                    const int n = start[e + 1] - p < 2 * RB ? start[e + 1] - p : 2 * RB;
+                    ROWS16(down_tile, n, h, I, p, wd, token, weight, acc)
+                }
             }
             for (int t = 0; t < T; t++) store_bf16(y + (long)t * D + nb * 16, _mm512_loadu_ps(acc + (long)t * 16));
             free(acc);
