@@ -110,8 +110,38 @@ def test_kl_estimators_by_hand(estimator, by_hand):
     assert stats["kl_ref"] == pytest.approx(sum(by_hand(a, b) for a, b in zip(lp, ref)) / 3)
 
 
+def test_token_and_sequence_aggregation_by_hand():
+    # two on-policy samples (r = 1): 1 token at A = +1, 3 tokens at A = −1 (one of them not trained)
+    logp = torch.tensor([-1.0, -0.5, -0.5, -0.5], requires_grad=True)
+    adv, mask, seq = torch.tensor([1.0, -1.0, -1.0, -1.0]), torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 1, 1, 1])
+    token, _ = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, seq, 2, LossConfig(correction="none", agg="token"))
+    assert token.item() == pytest.approx(-(1.0 - 1.0 - 1.0) / 3)          # Σ over trained tokens ÷ their number
+    token.backward()
+    assert torch.allclose(logp.grad, torch.tensor([-1 / 3, 1 / 3, 1 / 3, 0.0]))   # every trained token weighs alike
+    logp.grad = None
+    per_seq, _ = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, seq, 2,
+                             LossConfig(correction="none", agg="sequence"))
+    assert per_seq.item() == pytest.approx(-(1.0 / 1 - 2.0 / 2) / 2)       # mean per sample, then over samples
+    per_seq.backward()
+    assert torch.allclose(logp.grad, torch.tensor([-1 / 2, 1 / 4, 1 / 4, 0.0]))
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_micro_batches_add_up_to_the_whole(agg):
+    """Split over micro-batches with the global counts (samples, trained tokens), the losses sum to the
+    loss of the whole batch, as ``PolicyUpdate._train_mini`` relies on."""
+    logp, logp_old, adv, mask, seq = batch(seed=3)
+    cfg = LossConfig(correction="none", agg=agg)
+    whole, _ = policy_loss(logp, logp_old, logp_old, adv, mask, seq, 5, cfg)
+    parts = [seq < 2, seq >= 2]
+    summed = sum(policy_loss(logp[p], logp_old[p], logp_old[p], adv[p], mask[p], seq[p], 5, cfg,
+                             num_tokens=float(mask.sum()))[0] for p in parts)
+    assert summed.item() == pytest.approx(whole.item(), rel=1e-5)
+
+
 def test_loss_config_rejects_unknown_names_and_ranges():
     for bad, match in [(dict(correction="icepp"), "correction must be"), (dict(kl_estimator="k4"), "kl_estimator"),
+                       (dict(agg="seq"), "agg must be"),
                        (dict(dual_clip=0.5), "dual_clip"), (dict(kl_coef=-1.0), "kl_coef")]:
         with pytest.raises(ValueError, match=match):
             LossConfig(**bad)

@@ -194,3 +194,16 @@ def test_model_folder_errors_name_the_file(tmp_path):
         ModelConfig.from_file(tmp_path)
     with pytest.raises(FileNotFoundError, match=f"no tokenizer.json in {tmp_path}"):
         Tokenizer.load(tmp_path)
+
+
+def test_checkpoint_from_before_a_config_key_resumes_with_the_value_it_had(tmp_path):
+    """A run saved before ``loss.agg`` existed had per-sample aggregation: it resumes with
+    ``loss.agg=sequence``, and the new default is refused with the change named."""
+    from arbor.train.checkpoint import settings_of, _check_same_settings
+    from arbor.train.config import RLConfig
+    from arbor.train.losses import LossConfig
+    old = settings_of(RLConfig(loss=LossConfig(agg="sequence")))
+    del old["loss"]["agg"]
+    _check_same_settings(tmp_path, old, settings_of(RLConfig(loss=LossConfig(agg="sequence"))))
+    with pytest.raises(ValueError, match=r"loss: .*'agg': 'sequence'.*'agg': 'token'"):
+        _check_same_settings(tmp_path, old, settings_of(RLConfig()))

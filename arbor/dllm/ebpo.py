@@ -288,5 +288,5 @@ def ebpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, a
     seq = torch.arange(S, device=logp.device)[:, None].expand(S, U)[valid]
     lp, old = logp[valid], logp_old.detach()[valid]
     adv = advantages.to(logp.device, lp.dtype)[seq]
-    cfg = replace(cfg, correction="none", kl_coef=0.0)
+    cfg = replace(cfg, correction="none", kl_coef=0.0, agg="sequence")     # a unit is not a token
     return policy_loss(lp, old, old, adv, torch.ones_like(lp), seq, num_seqs or S, cfg)

@@ -194,7 +194,24 @@ def settings_of(cfg) -> dict:
     return strip(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
 
 
+# Config keys added after checkpoints were written, with the value those runs had: a saved run without
+# the key compares as having had it (resumable with that value; other values are named in the error).
+ADDED_KEYS = {("loss", "agg"): "sequence"}
+
+
+def _with_added_keys(saved: dict) -> dict:
+    saved = json.loads(json.dumps(saved))
+    for (*path, key), value in ADDED_KEYS.items():
+        d = saved
+        for k in path:
+            d = d.get(k) if isinstance(d, dict) else None
+        if isinstance(d, dict):
+            d.setdefault(key, value)
+    return saved
+
+
 def _check_same_settings(folder: Path, saved: dict, now: dict) -> None:
+    saved = _with_added_keys(saved)
     diff = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if diff:
         changes = ", ".join(f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in diff)

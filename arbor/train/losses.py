@@ -14,9 +14,15 @@ Per response token t of sample i (three log-probs of the sampled token):
       "none"    w = 1
       "tis"     w = min(k, C)                    truncated importance sampling
       "icepop"  w = k if α ≤ k ≤ β else 0         IcePop (Ring-1T, α=0.5, β=5)
-    loss = −mean_i [ 1/|y_i| Σ_t (w·ppo − γ·kl_t) ]
+    agg "token":     loss = −1/Σ_i|y_i| · Σ_i Σ_t (w·ppo − γ·kl_t)    (every trained token weighs alike)
+    agg "sequence":  loss = −mean_i [ 1/|y_i| Σ_t (w·ppo − γ·kl_t) ]  (every sample weighs alike)
 
-Masked tokens still count in |y_i| (IcePop does not renormalise). With k ≡ 1 (engine and
+|y_i| counts sample i's trained tokens (loss mask 1: model-written; a tool episode's environment
+tokens are not), the sums run over the mini-batch's samples of all ranks. "token" is the DAPO /
+Dr. GRPO aggregation (TRL's ``dapo`` and verl's ``token-mean``): under "sequence" a token of a long
+sample weighs 1/|y_i| of a short one's, so a long wrong answer (a rambling turn, a tool episode of
+many turns) is pushed down less per token than a short one (Liu et al. 2025, "Understanding R1-Zero-
+Like Training"). Masked tokens still count in |y_i| (IcePop does not renormalise). With k ≡ 1 (engine and
 trainer agree) IcePop and TIS both equal plain PPO-clip exactly. The KL penalty to a frozen
 reference, per token with d = logp_ref − logp (Schulman's "Approximating KL divergence"):
   "k1"  −d            "k2"  d² / 2            "k3"  exp(d) − d − 1   (verl's low_var_kl)
@@ -36,6 +42,7 @@ from arbor.models import expert_counts
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token", "sequence")
 
 
 @dataclass
@@ -49,6 +56,7 @@ class LossConfig:
     tis_cap: float = 2.0
     kl_coef: float = 0.0         # γ: > 0 keeps a frozen reference (the starting weights) and adds the penalty
     kl_estimator: str = "k3"     # k1 | k2 | k3
+    agg: str = "token"           # token: mean over the step's trained tokens (DAPO) | sequence: per sample, then over samples
 
     def __post_init__(self):
         self.validate()
@@ -56,6 +64,7 @@ class LossConfig:
     def validate(self) -> None:
         check(self, (self.correction in ("none", "tis", "icepop"), "correction", "must be none, tis or icepop"),
               (self.kl_estimator in KL_ESTIMATORS, "kl_estimator", "must be k1, k2 or k3"),
+              (self.agg in AGGREGATIONS, "agg", "must be token or sequence"),
               (0 <= self.clip_low < 1, "clip_low", "must be in [0, 1)"), (self.clip_high >= 0, "clip_high", "must be ≥ 0"),
               (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip", "must be 0 (off) or > 1"),
               (0 <= self.icepop_alpha <= 1, "icepop_alpha", "must be in [0, 1]"),
@@ -88,13 +97,14 @@ def mismatch_weights(logp_old: torch.Tensor, logp_infer: torch.Tensor, cfg: Loss
 
 
 def policy_loss(logp, logp_old, logp_infer, advantages, mask, seq_index, num_seqs: int,
-                cfg: LossConfig, logp_ref=None):
+                cfg: LossConfig, logp_ref=None, num_tokens: float | None = None):
     """All token tensors are flat [N] over the response tokens of a micro-batch.
 
     advantages [N] (the sample's advantage on each of its tokens), mask [N] (1 = trained token),
     seq_index [N] (which sample a token belongs to, in [0, num_seqs)). Returns (loss, stats):
-    the loss is the negated objective averaged over the ``num_seqs`` samples (pass the global
-    number of samples of the step so micro-batches add up to the step's mean)."""
+    the negated objective aggregated as ``cfg.agg`` says (module docstring) — over the ``num_seqs``
+    samples ("sequence") or the ``num_tokens`` trained tokens ("token"; default: this call's
+    ``mask.sum()``). Pass the mini-batch's global counts so that micro-batches add up to its loss."""
     mask = mask.to(logp.dtype)
     ratio = torch.exp(logp - logp_old.detach())
     surr = torch.minimum(ratio * advantages,
@@ -109,9 +119,13 @@ def policy_loss(logp, logp_old, logp_infer, advantages, mask, seq_index, num_seq
     if cfg.kl_coef and logp_ref is not None:
         kl = kl_penalty(logp, logp_ref, cfg.kl_estimator)
         per_token = per_token - cfg.kl_coef * kl
-    lengths = torch.zeros(num_seqs, dtype=logp.dtype, device=logp.device).index_add_(0, seq_index, mask)
-    per_seq = torch.zeros_like(lengths).index_add_(0, seq_index, per_token * mask)
-    loss = -(per_seq / lengths.clamp(min=1)).sum() / num_seqs
+    if cfg.agg == "token":
+        total = float(mask.sum()) if num_tokens is None else num_tokens
+        loss = -(per_token * mask).sum() / max(total, 1.0)
+    else:
+        lengths = torch.zeros(num_seqs, dtype=logp.dtype, device=logp.device).index_add_(0, seq_index, mask)
+        per_seq = torch.zeros_like(lengths).index_add_(0, seq_index, per_token * mask)
+        loss = -(per_seq / lengths.clamp(min=1)).sum() / num_seqs
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         mean = lambda x: float((x.to(mask.dtype) * mask).sum() / n)

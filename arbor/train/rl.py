@@ -17,7 +17,8 @@ On several ranks (``arbor launch -n N train …``): each rank runs its own engin
 over the EP group for an MoE model, the engine in lockstep) on its own groups — rank r takes
 problems r, r + N, … and the per-rank ``groups_per_step`` / ``token_budget`` — so advantages stay
 per group; the step's layout (``arbor.train.step_layout``: ``plan.layout``, ``plan.routepack``) may then
-move samples between ranks to balance their work; the policy loss is averaged over the samples of all ranks and gradients are summed over
+move samples between ranks to balance their work; the policy loss is averaged over the trained tokens
+(or samples: ``loss.agg``) of all ranks and gradients are summed over
 ranks (``arbor.train.distributed``); metrics are reduced and rank 0 logs them; a checkpoint holds
 each rank's state and resumes only at the same world size.
 

@@ -7,7 +7,8 @@ Given a step's trajectories (tokens as sampled, loss masks, the engine's log-pro
    or, when exact, from the training forward itself (``skips_recompute``);
 3. ``ppo_epochs`` passes over the samples, each ``mini_batches`` optimizer steps on whole groups;
    a mini-batch's loss is ``policy_loss`` (PPO clip, IcePop / TIS against μ) averaged over its
-   samples of all ranks, accumulated over micro-batches of ≤ ``tree.token_cap`` tokens.
+   trained tokens (``loss.agg=token``) or samples (``sequence``) of all ranks, accumulated over
+   micro-batches of ≤ ``tree.token_cap`` tokens.
 
 Which rank trains which sample in which micro-batch is the step's layout (``arbor.train.step_layout``);
 the local one: first-fit-decreasing bins (``arbor.plan.packing``) of the rank's trajectories, or, in tree
@@ -183,10 +184,13 @@ class PolicyUpdate:
     def _train_mini(self, trajs, micros: list[list[int]], adv, logp_old, logp_ref, stats: dict,
                     entropy: list | None = None) -> None:
         """Forward + backward of one mini-batch (its micro-batches: indices into ``trajs``); the loss is the
-        mean over the mini-batch's samples of all ranks. Accumulates token-weighted loss statistics in ``stats``."""
+        aggregate (``loss.agg``) over the mini-batch's samples or trained tokens of all ranks. Accumulates
+        token-weighted loss statistics in ``stats``."""
         dev = self.model.device
         mini = [i for m in micros for i in m]
         n = global_count(len(mini), self.ctx, "sum", "samples")
+        n_tokens = global_count(sum(trajs[i].num_model_tokens for i in mini), self.ctx, "sum", "trained tokens") \
+            if self.cfg.loss.agg == "token" else None
         aux_coef = self.cfg.moe_aux_coef if self.model.config.moe_layers else 0.0
         pos = {t: p for p, t in enumerate(mini)}          # sample index inside the mini-batch
         missing = self._missing_passes(len(micros))
@@ -205,7 +209,8 @@ class PolicyUpdate:
                 torch.repeat_interleave(adv[micro].to(dev), lengths), mask,
                 torch.repeat_interleave(torch.tensor([pos[i] for i in micro], device=dev), lengths),
                 max(n, 1), self.cfg.loss,
-                logp_ref=torch.cat([logp_ref[i] for i in micro]).to(dev) if logp_ref is not None else None)
+                logp_ref=torch.cat([logp_ref[i] for i in micro]).to(dev) if logp_ref is not None else None,
+                num_tokens=n_tokens)
             if aux:   # this micro-batch's share of the mini-batch's sample mean
                 loss = loss + aux_coef * aux[0] * len(micro) / n
                 stats["moe_aux"] = stats.get("moe_aux", 0.0) + float(aux[0].detach()) * len(micro) / n
