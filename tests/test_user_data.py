@@ -12,7 +12,7 @@ import torch
 
 from arbor.cli import main
 from arbor.data.config import DataConfig
-from arbor.data.files import load_rows
+from arbor.data.files import load_rows, plain_jsonl
 from arbor.data.order import row_index
 from arbor.data.prompts import conversation, prompt_messages
 from arbor.data.rewards import RewardConfig
@@ -43,6 +43,30 @@ def test_every_format_reads_the_same_rows(tmp_path, name):
     rows = load_rows(str(write(tmp_path, name)))
     assert [{k: r[k] for k in ("prompt", "level")} for r in rows] == [{k: r[k] for k in ("prompt", "level")} for r in ROWS]
     assert [str(r["answer"]) for r in rows] == ["4", "9"]          # CSV reads "4" as an integer column
+
+
+FLAT = [{"q": "a\u2028b", "n": 1, "x": 0.5, "ok": True}, {"q": "é", "n": -2 ** 40, "x": 2.0, "ok": False}]
+NOT_FLAT = {"a missing key": [{"q": "a", "n": 1}, {"q": "b"}], "a null": [{"q": "a"}, {"q": None}],
+            "int and float": [{"n": 1}, {"n": 2.5}], "nested": [{"m": [{"role": "user"}]}, {"m": []}],
+            "key order": [{"q": "a", "n": 1}, {"n": 2, "q": "b"}], "beyond int64": [{"n": 2 ** 63}],
+            "a blank line": None}
+
+
+@pytest.mark.parametrize("case", ["flat", *NOT_FLAT])
+def test_jsonl_read_without_datasets_only_where_datasets_gives_the_same_rows(tmp_path, case):
+    import datasets
+    path = write(tmp_path, "d.jsonl", FLAT if case == "flat" else NOT_FLAT[case] or FLAT)
+    if case == "a blank line":
+        path.write_text(path.read_text().replace("\n", "\n\n", 1))
+    fast = plain_jsonl(path)
+    assert (fast is not None) == (case == "flat")
+    try:
+        via_datasets = datasets.load_dataset("json", data_files=str(path), split="train").to_list()
+    except Exception:               # datasets cannot read it either: load_rows says so (test_bad_files_are_named)
+        return
+    assert load_rows(str(path)) == via_datasets
+    if fast is not None:
+        assert fast == via_datasets and [list(r) for r in fast] == [list(r) for r in via_datasets]
 
 
 def test_a_saved_dataset_dict_picks_its_split(tmp_path):

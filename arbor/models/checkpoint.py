@@ -162,8 +162,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device="cpu",
         model = merge_lora(model).requires_grad_(True)      # a plain model again, as a weights folder loads
         return (model.to(dtype) if dtype is not None else model).eval()
     cfg = ModelConfig.from_file(folder)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
+    model = CausalLM.on_meta(cfg)
     if ctx is not None and ctx.ep_size > 1:
         shard_experts(model, ctx)
     state = from_hf_tensors(read_tensors(folder, device, own_tensor_filter(model)), model)

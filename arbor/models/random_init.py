@@ -27,12 +27,7 @@ def _normal_(t: torch.Tensor, seed: int) -> None:
 def random_moe_model(shape: dict, ctx, device) -> CausalLM:
     """The model of ``shape`` (``ModelConfig`` fields), sharded over ``ctx``'s EP group when it has one."""
     cfg = ModelConfig(**shape)
-    init, torch.nn.init.normal_ = torch.nn.init.normal_, lambda t, *a, **k: t
-    try:        # every value is set below; a normal_ on meta tensors imports torch._dynamo (~2 s a process)
-        with torch.device("meta"):
-            model = CausalLM(cfg)
-    finally:
-        torch.nn.init.normal_ = init
+    model = CausalLM.on_meta(cfg)          # every value is set below
     shard_experts(model, ctx)
     model.to_empty(device=device)
     experts = {name: m.expert_ids if hasattr(m, "expert_ids") else list(range(m.num_experts))

@@ -76,9 +76,9 @@ def parameter_counts(mcfg, lora_rank: int, targets: list[str]) -> dict[str, int]
     from arbor.models import CausalLM
     from arbor.models.expert_parallel import is_expert_param
     from arbor.models.lora import LoRAConfig, apply_lora
-    with torch.device("meta"):
-        model = CausalLM(mcfg)
-        if lora_rank:
+    model = CausalLM.on_meta(mcfg)
+    if lora_rank:
+        with torch.device("meta"):
             apply_lora(model, LoRAConfig(rank=lora_rank, targets=list(targets)))
     params = dict(model.named_parameters(remove_duplicate=True))
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
