@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from arbor import configs
-from arbor.bench.e2e import EXAMPLE, Settings, arbor_overrides, median_time, summarize, time_to, trl_config
+from arbor.bench.e2e import EXAMPLE, Settings, arbor_overrides, learned, median_time, summarize, time_to, trl_config
 from arbor.bench.e2e_worker import TrainClock
 from arbor.bench.rl_trl import last_answer
 from arbor.train.config import RLConfig
@@ -47,6 +47,30 @@ def test_summary_ratio_and_targets():
     assert targets[1]["value"] == 0.8 and targets[1]["target"] == ">= 0.7"
 
 
+def test_no_ratio_when_the_threshold_is_within_evaluation_noise():
+    assert learned(0.24, 0.88, 100) and not learned(0.01, 0.018, 100) and not learned(0.5, 0.55, 100)
+    assert learned(0.5, 0.62, 100) and not learned(0.5, 0.58, 100)         # 2·√(p(1−p)/n) = 0.097 / 0.099 at n = 100
+    noisy = {"arbor": [{"curve": [(0.0, 0.01), (5.0, 0.03), (9.0, 0.0)]}] * 3,
+             "trl": [{"curve": [(0.0, 0.01), (8.0, 0.02), (9.0, 0.02)]}] * 3}
+    s, targets = summarize(noisy, 10.0, 0.5, "plain", rows=100)
+    assert s["arbor"]["median_time_s"] == 5.0 and s["trl"]["median_time_s"] == 8.0    # noise crosses 0.018 …
+    assert s["ratio"] is None and "noise" in s["note"] and not targets[0]["met"]     # … and is not timed
+    s, _ = summarize(noisy, 10.0, 0.5, "plain", rows=100_000)       # the same gap on 100 000 rows is learning
+    assert s["ratio"] == pytest.approx(5.0 / 8.0, rel=1e-15)
+
+
+def test_where_the_time_went():
+    def timed(ends, saves, curve):
+        return {"step_end_s": ends, "snapshots": [{"step": n, "train_s": t} for n, t in saves], "curve": curve}
+    runs = {"arbor": [timed([3.0, 3.5, 4.5, 5.0], [(2, 3.5), (4, 5.0)], [(0.0, 0.3), (3.5, 0.5), (5.0, 0.9)]),
+                      timed([2.0, 3.0, 4.0], [(3, 4.0)], [(0.0, 0.3), (4.0, 0.95)]),
+                      timed([4.0, 4.25, 4.5], [(3, 4.5)], [(0.0, 0.3), (4.5, 0.4)])],
+            "trl": [run((9.0, 0.9))] * 3}                       # no step times: nothing added
+    s, _ = summarize(runs, 10.0, 0.5, "tool")
+    assert s["arbor"]["steps_to_threshold"] == [4, 3, None] and s["arbor"]["first_step_end_s"] == 3.0
+    assert s["arbor"]["step_s"] == 0.5 and "step_s" not in s["trl"]        # medians 0.5, 1.0, 0.25
+
+
 def test_summary_when_trl_never_gets_there():
     runs = {"arbor": [run((10.0, 0.9))] * 3, "trl": [run((50.0, 0.4))] * 2 + [run((50.0, 0.85))]}
     s, targets = summarize(runs, 100.0, 0.33, "tool")
@@ -82,6 +106,7 @@ def test_both_systems_get_the_same_settings(tmp_path, variant):
     trl_mod = pytest.importorskip("trl")
     g = trl_mod.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to=[], **trl)   # TRL takes every key
     assert g.generation_batch_size == s.samples_per_step and g.steps_per_generation == 1
+    assert g.loss_type == "dapo" and cfg.loss.agg == "token"     # both: the mean over the batch's trained tokens
 
 
 def test_clock_leaves_saves_out(tmp_path):

@@ -10,7 +10,9 @@ step) and at the end the model is saved as an HF folder ``DIR/t{i}`` (``arbor.mo
 it starts when the child's ``main`` starts (imports, model load and trainer set-up count, as they
 do for a user) and stops while a snapshot is written, so the saves cost neither side anything.
 ``DIR/snapshots.json`` lists ``{"step", "train_s", "path"}`` per save: ``train_s`` is the clock at the
-save, ``step`` the optimizer steps done.
+save, ``step`` the optimizer steps done. The RESULT line also gives where the time went: ``imports_s`` (clock
+at the end of the imports), ``setup_s`` (… after ``build_trainer``), and per step ``step_end_s`` and the
+step's ``rollout_s``, ``recompute_s``, ``train_s``, ``sync_s`` (``RLTrainer``'s row).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+
+PHASES = ("rollout_s", "recompute_s", "train_s", "sync_s")     # a step's parts (RLTrainer's row)
 
 
 class TrainClock:
@@ -76,7 +81,9 @@ def main(argv=None) -> None:
     cfg = configs.load(RLConfig, None, a.overrides)
     cfg.validate()
     clock = TrainClock(Path(a.out), a.seconds, a.save_every, start)
+    imports_s = clock.now()
     trainer = build_trainer(cfg)
+    setup_s = clock.now()
     rows = []
 
     def on_row(row):
@@ -90,7 +97,8 @@ def main(argv=None) -> None:
     print("RESULT " + json.dumps({"snapshots": clock.saves, "steps": trainer.step, "threads": torch.get_num_threads(),
                                   "step_end_s": [r["clock_s"] for r in rows],
                                   "samples_per_step": [r.get("samples") for r in rows],
-                                  "train_reward": [r.get("reward") for r in rows]}))
+                                  "train_reward": [r.get("reward") for r in rows], "imports_s": imports_s,
+                                  "setup_s": setup_s, **{k: [r.get(k) for r in rows] for k in PHASES}}))
 
 
 if __name__ == "__main__":
