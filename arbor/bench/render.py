@@ -184,6 +184,7 @@ def page(name: str, result: dict, has_plot: bool) -> str:
             f"| machine | {fmt(machine_line(m))} |",
             f"| torch threads | {fmt(m.get('threads'))} |",
             f"| wall time | {fmt(run.get('wall_s'))} s (1-min load average at the end: {fmt(run.get('load_avg_1m'))}) |",
+            *([f"| note | {fmt(run['note'])} |"] if run.get("note") else []),
             ""]
     targets = result.get("targets") or []
     out += ["## Targets", ""]

@@ -95,15 +95,18 @@ class FusedLinear:
         return _linear(x, self.packed, self.bias).split(self.sizes, -1)
 
 
-# The MoE step cost model (``step_costs``), fitted to the paths timed on the bench machine (Intel Xeon,
-# AVX-512 BF16 + AMX, 2 threads; hidden 128 and 1024, 8–64 experts, 1–512 tokens; ``arbor bench
-# engine-profile --shape moe32`` times each path, in ``moe_paths_ms``): a path streams the weights of
-# the experts it touches and computes its rows, the slower of the two bounds it, plus its element-wise
-# work (silu · up, weighting) and a fixed cost per call. Relative figures matter (they pick a path).
+# The MoE step cost model (``step_costs``), fitted to the paths timed by ``arbor bench engine-profile
+# --shape moe32|moe64`` (``moe_paths_ms``; hidden 128 and 1024, 8–64 experts, 1–512 tokens, 2 threads) on
+# two machines: an Intel Xeon with AMX, where oneDNN's bfloat16 GEMMs run on AMX tiles, and an AMD EPYC
+# with AVX-512 BF16 and no AMX, where they run on vdpbf16ps as the routed C kernel does. A path streams
+# the weights of the experts it touches and computes its rows, the slower of the two bounds it, plus
+# its element-wise work (silu · up, weighting) and a fixed cost per call. Relative figures matter (they
+# pick a path).
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 BANDWIDTH = 50e9                    # bytes/s of expert weights streamed from memory
-FLOPS = {"routed": 2.0e11,          # the routed C kernel (vdpbf16ps, no AMX)
-         "dense": {torch.bfloat16: 2.0e12, torch.float32: 3.0e11},    # oneDNN, one large GEMM (AMX in bf16)
-         "grouped": {torch.bfloat16: 7.0e11, torch.float32: 3.0e11}}  # per-expert GEMMs of few rows
+FLOPS = {"routed": 2.0e11 if AMX else 6.5e11,                 # the routed C kernel (vdpbf16ps)
+         "dense": {torch.bfloat16: 2.0e12 if AMX else 8.0e11, torch.float32: 3.0e11},   # oneDNN, one large GEMM
+         "grouped": {torch.bfloat16: 7.0e11 if AMX else 4.5e11, torch.float32: 3.0e11}}  # per-expert GEMMs
 CALL_S = {torch.bfloat16: 40e-6, torch.float32: 12e-6}   # per expert of the grouped path (oneDNN / _grouped_mm)
 ELEMENT_S = 1e-9                    # per element of h (silu · up, weighting) in PyTorch
 
