@@ -217,7 +217,10 @@ def test_an_agent_that_always_fails_cannot_stall_a_c3po_iteration(tiny, tmp_path
                        c3po=C3POConfig(enabled=True, token_budget=100, capacity=3))
     trainer = make_trainer(cfg, model, tok)
     row = bounded(trainer.train_step())             # the budget is never reached: the iteration ends anyway
-    assert (row["agent_stalled"], row["agent_dropped_groups"], row["agent_raised"]) == (1, 3, 6)
+    # it stops admitting once `capacity` (3) groups in a row were dropped; up to capacity − 1 groups admitted
+    # before that still run (how many depends on when episodes end against the refills): 3 to 5 groups
+    assert row["agent_stalled"] == 1 and 3 <= row["agent_dropped_groups"] <= 5
+    assert row["agent_raised"] == 2 * row["agent_dropped_groups"]          # branch [2]: every episode raised
     assert "samples" not in row and row["step"] == 0
 
 
