@@ -38,6 +38,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,18 +129,19 @@ def trl_completion(w: Workload, tok) -> int:
     return w.turns * w.new_tokens + (w.turns - 1) * tool
 
 
-def run_trl(model_dir, w: Workload, steps: int, threads: int, device: str, out: Path, timeout: float) -> dict:
+def run_trl(model_dir, w: Workload, steps: int, threads: int, device: str, timeout: float) -> dict:
     """TRL's GRPOTrainer on ``w`` in a subprocess; → its timings and trained tokens/s (model tokens)."""
     from arbor.models.tokenizer import Tokenizer
     tok = Tokenizer.load(model_dir)
-    prompts = out / f"rl_trl_prompts_{w.name}.json"
-    prompts.write_text(json.dumps(prompt_texts(w, tok, w.prompts * (steps + 1))))
     completion = trl_completion(w, tok)
-    cmd = [sys.executable, "-m", "arbor.bench.rl_trl", "--model", str(model_dir), "--prompts", str(prompts),
-           "--batch-prompts", str(w.prompts), "--generations", str(w.samples), "--completion", str(completion),
-           "--steps", str(steps), "--threads", str(threads), "--device", device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": str(threads), "TRL_EXPERIMENTAL_SILENCE": "1"})
+    with tempfile.TemporaryDirectory(prefix="arbor-bench-rl-") as tmp:      # the child's prompts: not a result
+        prompts = Path(tmp) / f"prompts_{w.name}.json"
+        prompts.write_text(json.dumps(prompt_texts(w, tok, w.prompts * (steps + 1))))
+        cmd = [sys.executable, "-m", "arbor.bench.rl_trl", "--model", str(model_dir), "--prompts", str(prompts),
+               "--batch-prompts", str(w.prompts), "--generations", str(w.samples), "--completion", str(completion),
+               "--steps", str(steps), "--threads", str(threads), "--device", device]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads), "TRL_EXPERIMENTAL_SILENCE": "1"})
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"TRL run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -191,7 +193,7 @@ def _run(out: Path, model, workloads, steps, engine_dtype, device, trl, prompts,
             for v in arbor_runs:
                 arbor_runs[v].append(run_arbor(model_dir, w, steps, engine_dtype, device, overlap=v, **overrides))
             if has_trl:
-                trl_runs.append(run_trl(model_dir, w, steps, threads, device, out, trl_timeout))
+                trl_runs.append(run_trl(model_dir, w, steps, threads, device, trl_timeout))
         entry = {"shape": w.__dict__ | {"samples": w.samples}}
         t = merge_rounds(trl_runs) if has_trl else None
         if t is not None:
