@@ -95,3 +95,20 @@ def test_stats_report_queues_kv_and_counters(model):
     assert async_engine.stats()["streams"] == 0 and async_engine.stats()["waiting"] == 0
     threaded = ThreadedAsyncLLMEngine(engine(model))
     assert threaded.stats()["streams"] == 0 and threaded.stats()["kv_usage"] == 0
+
+
+def test_pd_multiplex_outputs_decoded_beside_the_step_keep_the_engine_unfinished(model):
+    """D may finish a request between two steps: the scheduler drops it, but the next step still has its
+    last tokens to return, so the engine is unfinished until then (else a threaded front waits forever)."""
+    eng = engine(model, policy="pd-multiplex")
+    eng.add_request(PROMPTS[0], GREEDY)
+    returned = []
+    while eng.has_unfinished():
+        returned += eng.step()
+    finished = list({id(s): s for s in returned}.values())     # a sequence is returned at each of its steps
+    assert len(finished) == 1 and finished[0].is_finished
+    runtime = eng.policy.runtime
+    with runtime.lock:
+        runtime.decoded.append(finished[0])      # as D leaves a sequence it finished after the last step
+    assert not eng.scheduler.has_unfinished() and eng.has_unfinished()
+    assert eng.step() == [finished[0]] and not eng.has_unfinished()

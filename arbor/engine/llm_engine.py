@@ -238,7 +238,8 @@ class LLMEngine:
                     seq.finish_time = time.perf_counter()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running, or outputs of finished ones that a ``step`` has yet to return."""
+        return self.scheduler.has_unfinished() or self.policy.has_undelivered()
 
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:

@@ -65,6 +65,11 @@ class Policy:
         """Counters of this policy (``LLMEngine.stats`` includes them)."""
         return {}
 
+    def has_undelivered(self) -> bool:
+        """Whether a later ``step`` still has sequences to return that the scheduler no longer holds
+        (a policy whose workers run beside ``step``; nothing here: a step returns all it did)."""
+        return False
+
     def drain(self) -> None:
         """Return once no forward of this policy is in flight (``LLMEngine.update_weights`` and ``abort``;
         nothing here: a one-forward step has ended when ``step`` returns)."""

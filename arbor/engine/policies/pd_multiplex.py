@@ -75,6 +75,9 @@ class PDMultiplex(Policy):
         return {"boundaries": t.boundaries, "decode_steps": t.decode_steps,
                 "boundary_decode_steps": self.runtime.inside_decode_steps}
 
+    def has_undelivered(self) -> bool:
+        return self.runtime.has_undelivered()
+
     def drain(self) -> None:
         self.runtime.drain()
 

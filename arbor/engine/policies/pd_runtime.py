@@ -123,6 +123,12 @@ class PDRuntime:
             out, self.decoded = self.decoded, []
         return list(dict.fromkeys(out))
 
+    def has_undelivered(self) -> bool:
+        """Sequences got tokens since the last ``step`` (D decodes beside it, and may finish a sequence the
+        scheduler then drops), or a prefill epoch is in flight: the next ``step`` returns them."""
+        with self.lock:
+            return bool(self.decoded) or self.epoch is not None
+
     def _run_epoch(self, batch) -> None:
         out = []
         try:
