@@ -63,5 +63,6 @@ def test_the_naive_concurrent_design_crosses_collectives_and_fails():
     t0 = time.monotonic()
     result, text = run("engine_naive", "pd-multiplex", env={"CASE_TIMEOUT": "3"}, timeout=40)
     assert 3 in result.codes, text
-    assert "crossed P/D collectives" in text and ("no peer answered within 3 s" in text or "TagMismatch" in text), text
+    assert "crossed P/D collectives" in text and any(                       # gloo words a crossing's timeout
+        why in text for why in ("no peer answered within 3 s", "TagMismatch", "Timed out waiting")), text  # several ways
     assert time.monotonic() - t0 < 35

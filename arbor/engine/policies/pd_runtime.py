@@ -125,7 +125,10 @@ class PDRuntime:
 
     def has_undelivered(self) -> bool:
         """Sequences got tokens since the last ``step`` (D decodes beside it, and may finish a sequence the
-        scheduler then drops), or a prefill epoch is in flight: the next ``step`` returns them."""
+        scheduler then drops), or a prefill epoch is in flight: the next ``step`` returns them. Ranks in
+        lockstep (``ctx``) step together and each step waits for its epoch: there the scheduler decides."""
+        if self.ctx is not None:
+            return False
         with self.lock:
             return bool(self.decoded) or self.epoch is not None
 
