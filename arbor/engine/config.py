@@ -37,10 +37,10 @@ class EngineConfig:
     ``share_weights``: a module already in the engine's dtype and device is served as is (the
     caller's tensors; weight updates move nothing); False: the engine keeps its own copy, which it
     may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
-    oneDNN pre-packed weights and the fused C ops of ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE,
-    silu · mul); sums in another order than ``F.linear`` and the PyTorch ops, so logits differ in
-    the last bits | ``exact``: ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed
-    (bit-identical there; ``arbor.engine.cpu_linear``)."""
+    oneDNN pre-packed weights (steps of ≤ 48 rows: the few-row kernel ``arbor.kernels.cpu_small_linear``)
+    and the fused C ops of ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another
+    order than ``F.linear`` and the PyTorch ops, so logits differ in the last bits | ``exact``:
+    ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed (``arbor.engine.cpu_linear``)."""
     block_size: int = 16                # tokens per KV block
     num_blocks: int | None = None       # KV blocks in the pool (None: from kv_memory_fraction or kv_cache_bytes)
     kv_memory_fraction: float = 0.5     # CUDA: share of free GPU memory the KV pool may take

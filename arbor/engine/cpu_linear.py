@@ -17,13 +17,18 @@ weight):
 
 Every attention and MLP module of a packed copy is marked ``engine_owned``: its float32 forwards
 may then run the fused element-wise C ops too (``arbor.kernels.cpu_ops``; last-bit differences).
+Steps of at most ``cpu_small_linear.MAX_ROWS`` rows (decoding) run the packed and fused linears
+through the few-row C kernel instead, where ``small_linear_serves`` says it is the faster one (its own
+packed copy; ``arbor.kernels.cpu_small_linear``).
+
 State-dict names and ``update_weights`` are unchanged; the parameters stay the source of truth
-and ``repack(model)`` refreshes every packed copy after they change in place. In bfloat16 the
-outputs are bit-identical to ``F.linear`` (same dot products, column by column). In float32
+and ``repack(model)`` refreshes every packed copy after they change in place. In bfloat16 oneDNN's
+outputs are bit-identical to ``F.linear`` (same dot products, column by column); the few-row kernel
+sums each column in k order (one bfloat16 step apart near a rounding boundary). In float32
 ``F.linear`` is MKL's GEMM and oneDNN's sums in another order (last-bit differences). Costs one
-more copy of the linear weights; saves the per-call re-layout of each weight. Where PyTorch lacks
-oneDNN, or its packed bfloat16 GEMM would not match ``F.linear`` exactly on this CPU, nothing is
-packed.
+more copy of the linear weights (two with the few-row kernel); saves the per-call re-layout of each
+weight. Where PyTorch lacks oneDNN, or its packed bfloat16 GEMM would not match ``F.linear`` exactly
+on this CPU, nothing is packed.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.kernels import cpu_moe
+from arbor.kernels import cpu_moe, cpu_small_linear
 from arbor.models.attention import SoftmaxAttention
 from arbor.models.layers import MLP, silu_mul
 from arbor.models.moe import MoE, Experts
 
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 BATCH_HINT = 16   # oneDNN picks its blocking for this many rows (a decode batch); any row count works
 
 
@@ -61,6 +67,13 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
         return False
 
 
+def small_linear_serves(dtype: torch.dtype) -> bool:
+    """Decode-sized steps (≤ ``cpu_small_linear.MAX_ROWS`` rows) of this dtype run the few-row C kernel:
+    wherever it builds, except bfloat16 on CPUs with AMX, whose tiles serve oneDNN's GEMM (not
+    measured against the kernel there). ``arbor bench engine --shape 0.6b`` measures the choice."""
+    return cpu_small_linear.supports(dtype) and not (dtype == torch.bfloat16 and AMX)
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
@@ -69,12 +82,27 @@ def _linear(x, packed, bias):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _pack_small(weight: torch.Tensor) -> torch.Tensor | None:
+    """The few-row kernel's copy of ``weight``, where it serves (``small_linear_serves``), else None."""
+    return cpu_small_linear.pack(weight) if small_linear_serves(weight.dtype) and cpu_small_linear.packable(
+        weight) else None
+
+
+def _linear_by_rows(x, packed, small, bias):
+    """Steps of at most ``cpu_small_linear.MAX_ROWS`` rows through the few-row kernel (when packed for
+    it), larger ones through oneDNN."""
+    if small is not None and x.numel() <= cpu_small_linear.MAX_ROWS * x.shape[-1]:
+        return cpu_small_linear.linear(x, small, bias)
+    return _linear(x, packed, bias)
+
+
 class PackedLinear(nn.Linear):
     def repack(self) -> None:
         self.register_buffer("packed_weight", _pack(self.weight), persistent=False)
+        self.register_buffer("small_weight", _pack_small(self.weight), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.packed_weight, self.bias)
+        return _linear_by_rows(x, self.packed_weight, self.small_weight, self.bias)
 
 
 class FusedLinear:
@@ -87,12 +115,13 @@ class FusedLinear:
         self.repack()
 
     def repack(self) -> None:
-        self.packed = _pack(torch.cat([m.weight for m in self.linears]))
+        weight = torch.cat([m.weight for m in self.linears])
+        self.packed, self.small = _pack(weight), _pack_small(weight)
         has_bias = self.linears[0].bias is not None
         self.bias = torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
 
     def __call__(self, x: torch.Tensor):
-        return _linear(x, self.packed, self.bias).split(self.sizes, -1)
+        return _linear_by_rows(x, self.packed, self.small, self.bias).split(self.sizes, -1)
 
 
 # The MoE step cost model (``step_costs``), fitted to the paths timed by ``arbor bench engine-profile
@@ -102,7 +131,6 @@ class FusedLinear:
 # the weights of the experts it touches and computes its rows, the slower of the two bounds it, plus
 # its element-wise work (silu · up, weighting) and a fixed cost per call. Relative figures matter (they
 # pick a path).
-AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 BANDWIDTH = 50e9                    # bytes/s of expert weights streamed from memory
 FLOPS = {"routed": 2.0e11 if AMX else 6.5e11,                 # the routed C kernel (vdpbf16ps)
          "dense": {torch.bfloat16: 2.0e12 if AMX else 8.0e11, torch.float32: 3.0e11},   # oneDNN, one large GEMM
