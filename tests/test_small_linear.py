@@ -78,9 +78,15 @@ def test_engine_decode_steps_take_the_kernel_and_decode_like_the_plain_path(dtyp
     with_kernel = greedy(LLMEngine(model, cfg), prompts)
     assert rows and max(rows) <= cpu_small_linear.MAX_ROWS
     assert len(rows) >= 9 * 6        # 9 decode steps × (qkv, o, gate_up, down per layer …, lm_head)
-    monkeypatch.setattr(cpu_linear, "small_linear_serves", lambda dt: False)
     rows.clear()
-    without = greedy(LLMEngine(model, cfg), prompts)
-    assert not rows
+    off = LLMEngine(model, EngineConfig(dtype=dtype, num_blocks=64, share_weights=False, few_row_kernel=False))
+    without = greedy(off, prompts)
+    assert not rows and off.num_packed > 0      # still packed (oneDNN), no few-row copy
+    assert all(getattr(m, "small_weight", None) is None for m in off.model.modules())
     assert with_kernel[0] == without[0]
     assert_engine_noise(model.to(getattr(torch, dtype)), prompts, with_kernel, without)
+
+
+def test_few_row_kernel_key_is_validated():
+    with pytest.raises(ValueError, match="few_row_kernel must be true or false"):
+        EngineConfig(few_row_kernel="yes").validate()

@@ -40,7 +40,10 @@ class EngineConfig:
     oneDNN pre-packed weights (steps of ≤ 48 rows: the few-row kernel ``arbor.kernels.cpu_small_linear``)
     and the fused C ops of ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another
     order than ``F.linear`` and the PyTorch ops, so logits differ in the last bits | ``exact``:
-    ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed (``arbor.engine.cpu_linear``)."""
+    ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed (``arbor.engine.cpu_linear``).
+    ``few_row_kernel``: packed linears serve decode-sized steps by the few-row kernel where it is the
+    faster one here (``cpu_linear.small_linear_serves``), at the cost of one more copy of the dense
+    linear weights; False keeps one packed copy (oneDNN's) for every step."""
     block_size: int = 16                # tokens per KV block
     num_blocks: int | None = None       # KV blocks in the pool (None: from kv_memory_fraction or kv_cache_bytes)
     kv_memory_fraction: float = 0.5     # CUDA: share of free GPU memory the KV pool may take
@@ -68,6 +71,7 @@ class EngineConfig:
     slo_safety: float = 1.2             # layerkv policy: safety factor (≥ 1) on the predicted prefill time
     share_weights: bool = True          # serve a module already in this dtype and device as is
     fp32_gemm: str = "onednn"           # float32 linears of an engine-owned CPU copy: onednn | exact
+    few_row_kernel: bool = True         # CPU, packed linears: steps of <= 48 rows through the C kernel (+1 weight copy)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -119,6 +123,8 @@ class EngineConfig:
         policy.check(self)
         if not isinstance(self.share_weights, bool):
             raise ValueError(f"EngineConfig.share_weights must be true or false, got {self.share_weights!r}")
+        if not isinstance(self.few_row_kernel, bool):
+            raise ValueError(f"EngineConfig.few_row_kernel must be true or false, got {self.few_row_kernel!r}")
         if self.fp32_gemm not in ("onednn", "exact"):
             raise ValueError(f"EngineConfig.fp32_gemm must be 'onednn' or 'exact', got {self.fp32_gemm!r}")
         self.torch_dtype

@@ -82,10 +82,11 @@ def _linear(x, packed, bias):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _pack_small(weight: torch.Tensor) -> torch.Tensor | None:
-    """The few-row kernel's copy of ``weight``, where it serves (``small_linear_serves``), else None."""
-    return cpu_small_linear.pack(weight) if small_linear_serves(weight.dtype) and cpu_small_linear.packable(
-        weight) else None
+def _pack_small(weight: torch.Tensor, wanted: bool) -> torch.Tensor | None:
+    """The few-row kernel's copy of ``weight`` where ``wanted`` and it serves (``small_linear_serves``),
+    else None."""
+    return cpu_small_linear.pack(weight) if wanted and small_linear_serves(weight.dtype) and \
+        cpu_small_linear.packable(weight) else None
 
 
 def _linear_by_rows(x, packed, small, bias):
@@ -97,9 +98,11 @@ def _linear_by_rows(x, packed, small, bias):
 
 
 class PackedLinear(nn.Linear):
+    few_rows = True   # set by ``pack_linears``: decode-sized steps may take the few-row kernel
+
     def repack(self) -> None:
         self.register_buffer("packed_weight", _pack(self.weight), persistent=False)
-        self.register_buffer("small_weight", _pack_small(self.weight), persistent=False)
+        self.register_buffer("small_weight", _pack_small(self.weight, self.few_rows), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear_by_rows(x, self.packed_weight, self.small_weight, self.bias)
@@ -109,14 +112,14 @@ class FusedLinear:
     """Several linears over the same input as one packed GEMM; → their outputs, split. Not a
     module: the source linears keep the parameters."""
 
-    def __init__(self, linears: list[nn.Linear]):
-        self.linears = linears
+    def __init__(self, linears: list[nn.Linear], few_rows: bool = True):
+        self.linears, self.few_rows = linears, few_rows
         self.sizes = [m.out_features for m in linears]
         self.repack()
 
     def repack(self) -> None:
         weight = torch.cat([m.weight for m in self.linears])
-        self.packed, self.small = _pack(weight), _pack_small(weight)
+        self.packed, self.small = _pack(weight), _pack_small(weight, self.few_rows)
         has_bias = self.linears[0].bias is not None
         self.bias = torch.cat([m.bias.detach() for m in self.linears]) if has_bias else None
 
@@ -279,9 +282,9 @@ def _fusable(linears) -> bool:
     return len({m.bias is None for m in linears}) == 1
 
 
-def pack_linears(model: nn.Module, fp32: bool = False) -> int:
+def pack_linears(model: nn.Module, fp32: bool = False, few_rows: bool = True) -> int:
     """Pack a bfloat16 (or, with ``fp32``, float32) CPU model's linears in place; → how many
-    linears (0 when not applicable)."""
+    linears (0 when not applicable). ``few_rows``: decode-sized steps may take the few-row kernel."""
     dtypes = (torch.bfloat16, torch.float32) if fp32 else (torch.bfloat16,)
     if model.dtype not in dtypes or model.device.type != "cpu" or not available(model.dtype):
         return 0
@@ -290,15 +293,16 @@ def pack_linears(model: nn.Module, fp32: bool = False) -> int:
         if isinstance(m, (SoftmaxAttention, MLP)):
             m.engine_owned = True          # the fused element-wise C ops may serve float32 too (cpu_ops)
         if isinstance(m, SoftmaxAttention) and _fusable(group := [m.q_proj, m.k_proj, m.v_proj]):
-            m.fused_qkv = FusedLinear(group)
+            m.fused_qkv = FusedLinear(group, few_rows)
         elif isinstance(m, MLP) and _fusable(group := [m.gate_proj, m.up_proj]):
-            m.fused_gate_up = FusedLinear(group)
+            m.fused_gate_up = FusedLinear(group, few_rows)
         else:
             continue
         fused.update(map(id, group))
     rest = [m for m in model.modules() if type(m) is nn.Linear and id(m) not in fused]
     for m in rest:
         m.__class__ = PackedLinear
+        m.few_rows = few_rows
         m.repack()
     experts = [m.experts for m in model.modules() if isinstance(m, MoE) and type(m.experts) is Experts]
     for m in model.modules():

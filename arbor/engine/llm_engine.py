@@ -117,7 +117,8 @@ class LLMEngine:
         self.lockstep = getattr(self.model, "ep_state", None) is not None
         if self.lockstep and ctx is None:
             raise ValueError("an expert-parallel model needs the engine to get its rank context (ctx=...)")
-        self.num_packed = pack_linears(self.model, fp32=cfg.fp32_gemm == "onednn") if owned else 0
+        self.num_packed = pack_linears(self.model, fp32=cfg.fp32_gemm == "onednn",
+                                       few_rows=cfg.few_row_kernel) if owned else 0
         mc = self.model.config
         has_linear = "linear_attention" in mc.layer_types
         n_attn = sum(t == "full_attention" for t in mc.layer_types)
