@@ -32,7 +32,7 @@ def error_bound(x, w, bias, dtype):
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 30), (96, 128), (1040, 3072)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_float64_within_summation_error(dtype, n, k, threads):
-    """Row counts across tiles of 16 (1, a partial tile, full tiles, 48 = the engine's limit, 61 beyond it:
+    """Row counts across tiles of 16 (1, a partial tile, full tiles, 61, 64 = the engine's limit, 80 beyond it:
     the kernel itself takes any count), with and without bias, rows spaced apart in memory."""
     torch.manual_seed(0)
     w = torch.randn(n, k).to(dtype)
@@ -40,7 +40,7 @@ def test_kernel_matches_float64_within_summation_error(dtype, n, k, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for m in (1, 7, 16, 33, 48, 61):
+        for m in (1, 7, 16, 33, 61, 64, 80):
             x = torch.randn(m, k + 3).to(dtype)[:, 1:k + 1]
             for bias in (None, torch.randn(n).to(dtype)):
                 got = cpu_small_linear.linear(x, packed, bias)

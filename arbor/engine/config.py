@@ -37,7 +37,7 @@ class EngineConfig:
     ``share_weights``: a module already in the engine's dtype and device is served as is (the
     caller's tensors; weight updates move nothing); False: the engine keeps its own copy, which it
     may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
-    oneDNN pre-packed weights (steps of ≤ 48 rows: the few-row kernel ``arbor.kernels.cpu_small_linear``)
+    oneDNN pre-packed weights (steps of ≤ 64 rows: the few-row kernel ``arbor.kernels.cpu_small_linear``)
     and the fused C ops of ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another
     order than ``F.linear`` and the PyTorch ops, so logits differ in the last bits | ``exact``:
     ``F.linear`` and the PyTorch ops. bfloat16 copies are always packed (``arbor.engine.cpu_linear``).
@@ -71,7 +71,7 @@ class EngineConfig:
     slo_safety: float = 1.2             # layerkv policy: safety factor (≥ 1) on the predicted prefill time
     share_weights: bool = True          # serve a module already in this dtype and device as is
     fp32_gemm: str = "onednn"           # float32 linears of an engine-owned CPU copy: onednn | exact
-    few_row_kernel: bool = True         # CPU, packed linears: steps of <= 48 rows through the C kernel (+1 weight copy)
+    few_row_kernel: bool = True         # CPU, packed linears: steps of <= 64 rows through the C kernel (+1 weight copy)
 
     @property
     def torch_dtype(self) -> torch.dtype:

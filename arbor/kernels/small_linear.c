@@ -9,9 +9,9 @@
    A tile is 16 output columns × up to 16 rows: 16 float32 accumulators in registers, one weight register,
    the x values broadcast from a transposed copy ([K][16] per 16 rows, one base pointer), so each weight
    load feeds up to 16 FMAs. Each thread takes a contiguous range of column blocks: one sequential run of
-   the packed weights, prefetched PREFETCH bytes ahead (rows 17..48 re-read their block from L2).
+   the packed weights, prefetched PREFETCH bytes ahead (rows past the first 16 re-read their block from L2).
 
-   Why: at 8–48 rows a step is neither bound by memory nor by compute alone; oneDNN's packed GEMM
+   Why: at 8–64 rows a step is neither bound by memory nor by compute alone; oneDNN's packed GEMM
    (arbor/engine/cpu_linear.py) is tuned for larger row counts and, on AVX-512 without AMX, reaches about
    half this CPU's vdpbf16ps rate at 16 rows. With loads far ahead the FMAs and the weight stream overlap.
    Built by arbor/kernels/native.py; without AVX-512 (BF16 for bfloat16) the *_available() calls say 0. */
