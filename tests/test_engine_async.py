@@ -123,3 +123,27 @@ def test_a_failing_step_fails_the_streams_and_the_engine_recovers():
 
     assert len(asyncio.run(main())[0].token_ids) == 3
     assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.blocks.__len__()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_final_only_streams_each_samples_last_snapshot_alone(threaded):
+    """``final_only``: one snapshot per sample, the one a per-token stream ends with (same ids, log-probs,
+    finish reason, text); a non-boolean value is refused."""
+    from arbor.engine.threaded_engine import ThreadedAsyncLLMEngine
+    model, prompt = tiny(), [3, 1, 4, 1, 5]
+    kw = dict(n=3, temperature=1.0, seed=4, max_tokens=9, ignore_eos=True)
+
+    async def run(params):
+        engine = (ThreadedAsyncLLMEngine if threaded else AsyncLLMEngine)(model, EngineConfig())
+        return [out async for out in engine.generate(prompt, params)]
+
+    every = asyncio.run(run(SamplingParams(**kw)))
+    final = asyncio.run(run(SamplingParams(**kw, final_only=True)))
+    assert len(every) == 27 and len(final) == 3 and all(o.finished for o in final)
+    last = {o.index: o for o in every}
+    for o in final:
+        want = last[o.index]
+        assert (o.token_ids, o.logprobs, o.finish_reason, o.text) == (want.token_ids, want.logprobs,
+                                                                      want.finish_reason, want.text)
+    with pytest.raises(ValueError, match="final_only must be true or false"):
+        SamplingParams(final_only="yes")

@@ -213,3 +213,25 @@ def test_all_greedy_batch_samples_like_a_mixed_one_bit_for_bit():
     hot = Sequence("x", 0, [1, 2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4, seed=1), frozenset(), 4)
     general = Sampler()(torch.cat([logits, logits[:1]]), seqs + [hot])
     assert fast[0] == general[0][:5] and fast[1] == general[1][:5] and fast[2] == [None] * 5
+
+
+def test_untruncated_rows_sample_like_the_filtering_path_bit_for_bit():
+    """Rows without top-k / top-p / min-p (and greedy rows) skip ``processed_logprobs``' knob tensors:
+    the tokens of the general path (a truncating row in the batch) and, bit for bit, the log-probs
+    ``processed_logprobs`` gives these rows (what the trainer recomputes: ``SamplingSpec.logprobs``)."""
+    from arbor.engine.sampler import Sampler
+    from arbor.engine.sequence import Sequence
+    from arbor.models.sampling import processed_logprobs
+    torch.manual_seed(0)
+    logits = torch.randn(6, 64) * 4
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=4) for t, s in
+              [(0.7, 1), (1.3, None), (0.0, None), (0.7, 2), (1.0, 5), (0.5, None)]]
+    seq = lambda p, i: Sequence(str(i), 0, [1, 2], p, frozenset(), 4)
+    fast = Sampler(3)(logits, [seq(p, i) for i, p in enumerate(params)])
+    cut = SamplingParams(temperature=0.9, top_k=5, max_tokens=4)     # forces the general path
+    general = Sampler(3)(torch.cat([logits, logits[:1]]), [seq(p, i) for i, p in enumerate(params + [cut])])
+    assert fast[0] == general[0][:6]
+    t = torch.tensor([p.temperature for p in params])
+    want = processed_logprobs(logits, t, torch.full((6,), -1), torch.ones(6), torch.zeros(6))
+    assert fast[1] == want[torch.arange(6), torch.tensor(fast[0])].tolist()
+    assert fast[0][2] == int(logits[2].argmax())          # the greedy row

@@ -298,3 +298,25 @@ def test_form_detection_of_plain_signatures():
     assert detect_form(verl, "v")[0] == "verl"
     with pytest.raises(ValueError, match="matches none"):
         detect_form(lambda prompts: None, "p")
+
+
+def test_math_builtin_imports_math_verify_in_the_background_outside_timeout_s():
+    """Building the ``math`` reward does not import math-verify (≈ 0.5 s of start-up); the first score
+    does, on a daemon thread, and that import is not counted in the call's ``timeout_s`` (a fresh
+    interpreter, so the import is really paid)."""
+    import subprocess
+    import sys
+    code = textwrap.dedent("""
+        import asyncio, sys, time
+        from arbor.data.rewards import RewardConfig, Rewards
+        r = Rewards(RewardConfig(fns=["math"], timeout_s=0.05))
+        assert "math_verify" not in sys.modules, "imported at build"
+        t = time.perf_counter()
+        got = asyncio.run(r.score("q", "The answer is 72.", {"answer": "#### 72"}, 0))
+        took = time.perf_counter() - t
+        assert got == 1.0 and r.drain()["reward_errors"] == 0, got
+        assert took > 0.05, took          # the import was paid here, and the call still counted
+        print("ok")
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

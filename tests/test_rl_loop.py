@@ -99,6 +99,36 @@ def test_tree_branches_at_chosen_turns(tiny):
     assert len({tuple(t.tokens) for t in trajs}) == 6
 
 
+
+def test_rollouts_without_a_budget_ask_for_final_snapshots_only(tiny):
+    """No token budget (C3PO++ off): every model turn is a ``final_only`` request (no snapshot per token),
+    with the same trajectories as per-token streams (a budget never reached); with a budget, streams."""
+    from arbor.engine import AsyncLLMEngine
+
+    class Recording(AsyncLLMEngine):
+        def add_request(self, prompt, params=None, request_id=None):
+            self.kinds.append(params.final_only)
+            return super().add_request(prompt, params, request_id)
+
+    model, tok = tiny
+    got = {}
+    for budget in (None, 10 ** 9):
+        trainer = make_trainer(config(rollout=RolloutConfig(max_turn_tokens=6, max_context=300, branch=[2, 2],
+                                                               end_on_truncation=False)), model, tok)
+        col = trainer.collector
+        col.engine = Recording(trainer.engine.engine)
+        col.engine.kinds = []
+
+        async def go():
+            pool = [e for g in range(2) for e in await col.start(ThreeTurns(), {}, g, None, 0)]
+            return await col.run_iteration(pool, 0, budget)
+
+        trees, left, _ = asyncio.run(go())
+        assert not left and set(col.engine.kinds) == {budget is None} and len(col.engine.kinds) == 2 * (2 + 4 + 4)
+        got[budget] = sorted((t.group, tuple(t.tokens), tuple(t.logp_infer)) for tree in trees for t in tree.trajectories())
+    assert len(got[None]) == 8 and got[None] == got[10 ** 9]
+
+
 class SlowTool(ThreeTurns):
     """ThreeTurns whose tool answers after a fixed latency (prefills of observations arrive while others decode)."""
 

@@ -132,3 +132,17 @@ def test_moe_aux_loss_with_multiplicities_equals_expanded():
     expanded = moe_aux_loss(probs[flat], ids[flat], torch.ones(len(flat)))
     assert torch.allclose(moe_aux_loss(probs, ids, row.multiplicity), expanded, rtol=0, atol=1e-12)   # f64, ≈ 1: measured 0
     assert not torch.allclose(moe_aux_loss(probs, ids, torch.ones(row.num_tokens)), expanded, atol=1e-4)  # differs by 0.018
+
+
+def test_build_tree_reuses_the_tree_of_the_same_trajectories():
+    """A step builds a group's tree for its micro-batch sizes and again for each forward: the second
+    build returns the first ``Tree`` (keyed by the token ids); other ids get their own; the cache is bounded."""
+    from arbor.train import tree_batch
+    a = [[1, 2, 3, 4], [1, 2, 5]]
+    first = tree_batch.build_tree(a)
+    assert tree_batch.build_tree([list(t) for t in a]) is first
+    other = tree_batch.build_tree([[1, 2, 3, 4], [1, 2, 6]])
+    assert other is not first and other.tokens == [1, 2, 3, 4, 6] and first.tokens == [1, 2, 3, 4, 5]
+    for k in range(tree_batch.TREE_CACHE + 1):
+        tree_batch.build_tree([[k + 1000]])
+    assert len(tree_batch._trees) <= tree_batch.TREE_CACHE and tree_batch.build_tree(a) is not first

@@ -14,6 +14,11 @@ stripped. A row with none of them is an error of that row (counted, not fatal by
   A completion with nothing to parse scores 0.0; a reference answer with nothing to parse is an
   error. math-verify's own signal-based timeouts are off (they only work in the main thread and
   Arbor runs this in a worker thread); ``RewardConfig.timeout_s`` bounds the call instead.
+  math-verify (with sympy, ≈ 0.5 s) is imported when the reward is first scored, on a daemon
+  thread (``math_verify_import``), so neither the set-up of a run nor the event loop waits for it:
+  the engine keeps decoding meanwhile. The function's ``ready()`` starts that import and returns its
+  future, which ``Rewards`` awaits before a call's ``timeout_s`` starts. A missing package is still a
+  ValueError when the reward is built (``importlib.util.find_spec``).
 - ``exact``: ``1.0`` if ``completion.strip() == reference_answer(row)`` (already stripped), else
   ``0.0``; case and inner whitespace count.
 - ``regex:PATTERN``: ``1.0`` if ``re.search(PATTERN, completion)`` finds a match, else ``0.0``; no
@@ -25,7 +30,10 @@ stripped. A row with none of them is an error of that row (counted, not fatal by
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import threading
+from concurrent.futures import Future
 
 ANSWER_COLUMNS = ("answer", "ground_truth", "solution", "reward_model.ground_truth")
 NAMES = ("math", "exact", "length_penalty", "regex:PATTERN")
@@ -50,23 +58,52 @@ def reference_answer(row: dict) -> str:
                      f"(the row's columns: {sorted(row)})")
 
 
+_import_lock = threading.Lock()
+_math_verify: Future | None = None
+
+
+def _load_math_verify():
+    from math_verify import parse, verify
+    import logging
+    for name in ("math_verify.grader", "math_verify.parser"):   # their "timeout is disabled" notice: timeout_s bounds it
+        logging.getLogger(name).setLevel(logging.ERROR)
+    verify(parse("1", parsing_timeout=None), parse("1", parsing_timeout=None), timeout_seconds=None)  # its regexes, compiled here
+    return parse, verify
+
+
+def math_verify_import() -> Future:
+    """The future of math-verify's ``(parse, verify)``, imported once per process on a daemon thread
+    (started by the first call); its exception is an ImportError's ValueError."""
+    global _math_verify
+    with _import_lock:
+        if _math_verify is None:
+            _math_verify = fut = Future()
+
+            def load():
+                try:
+                    fut.set_result(_load_math_verify())
+                except BaseException as e:     # noqa: BLE001 — handed to whoever waits on it
+                    fut.set_exception(ValueError(f"reward 'math' needs the math-verify package "
+                                                 f"(pip install math-verify): {type(e).__name__}: {e}"))
+            threading.Thread(target=load, name="arbor-import-math-verify", daemon=True).start()
+    return _math_verify
+
+
 def builtin(spec: str, length_target: int):
     """(function, one-line description, runs inline?) for the built-in ``spec``; ValueError for a bad
     regex or a missing math-verify. Inline functions are cheap enough to run on the event loop."""
     if spec == "math":
-        try:
-            from math_verify import parse, verify
-        except ImportError as e:
-            raise ValueError(f"reward 'math' needs the math-verify package (pip install math-verify): {e}") from e
-        import logging
-        for name in ("math_verify.grader", "math_verify.parser"):   # their "timeout is disabled" notice: timeout_s bounds it
-            logging.getLogger(name).setLevel(logging.ERROR)
+        if importlib.util.find_spec("math_verify") is None:
+            raise ValueError("reward 'math' needs the math-verify package (pip install math-verify): "
+                             "No module named 'math_verify'")
 
         def math(prompt, completion, **row) -> float:
+            parse, verify = math_verify_import().result()
             gold = parse(reference_answer(row), parsing_timeout=None)
             if not gold:
                 raise ValueError(f"math-verify cannot parse the reference answer {reference_answer(row)!r}")
             return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
+        math.ready = math_verify_import
         return math, "math-verify of the completion against the row's answer, 1/0", False
     if spec == "exact":
         def exact(prompt, completion, **row) -> float:

@@ -19,7 +19,8 @@ A spec in ``RewardConfig.fns`` is a built-in (``math``, ``exact``, ``regex:PATTE
 Markers: ``completion`` → Arbor, ``completions`` → TRL, ``solution_str`` → verl; parameters of two
 forms (``prompt`` with ``completions``, …) or of none are a ValueError showing the three forms.
 Any function may be ``async``; sync ones run in a worker thread (``asyncio.to_thread``). Every call
-is bounded by ``timeout_s`` (a TRL call is one call for its whole batch); a timed-out thread cannot
+is bounded by ``timeout_s`` (a TRL call is one call for its whole batch; a built-in's ``ready()``, its
+package's background import, is awaited before the clock starts); a timed-out thread cannot
 be killed and runs on in the background, and an ``async`` function that blocks the event loop
 cannot be interrupted.
 
@@ -298,6 +299,9 @@ class Rewards:
         async def run():
             out = f.fn(**kwargs) if f.is_async else await asyncio.to_thread(f.fn, **kwargs)
             return await out if inspect.isawaitable(out) else out
+        ready = getattr(f.fn, "ready", None)     # a built-in's import in the background: not the call's time
+        if ready is not None and not (fut := ready()).done():
+            await asyncio.wrap_future(fut)
         start = time.monotonic()
         try:
             return await asyncio.wait_for(run(), self.cfg.timeout_s)

@@ -3,7 +3,8 @@
 
 The loop is an asyncio task on the caller's event loop: it runs ``LLMEngine.step()`` while
 work is queued (each step is synchronous, so weight updates and aborts always land between
-steps), hands every request's fresh snapshot to its queue, and sleeps when idle. A stream
+steps), hands every request's fresh snapshot to its queue (a ``final_only`` request's final ones
+only), and sleeps when idle. A stream
 closed early (``aclose``, cancellation) aborts its request. A new event loop (another
 ``asyncio.run``) gets a new engine task; the engine state carries over.
 
@@ -112,7 +113,9 @@ class AsyncLLMEngine:
                 return
 
     def _publish(self, updated) -> None:
-        for seq in updated:
+        for seq in updated:     # a Sequence, or a snapshot of another rank's (rank_front: no params)
+            if not seq.is_finished and getattr(getattr(seq, "params", None), "final_only", False):
+                continue
             q = self.queues.get(seq.request_id)
             if q is not None:  # text only on the final snapshot (decoding every step is O(n²))
                 q.put_nowait(seq.completion(self.engine.tokenizer if seq.is_finished else None))

@@ -34,12 +34,20 @@ class Sampler:
             tokens = logits.argmax(-1)
             return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist(), [None] * len(seqs)
         dev = logits.device
-        knob = lambda name, dt: torch.tensor([getattr(p, name) for p in params], dtype=dt, device=dev)
-        logp = processed_logprobs(logits, knob("temperature", torch.float32), knob("top_k", torch.int64),
-                                  knob("top_p", torch.float32), knob("min_p", torch.float32))
-        tokens = logits.argmax(-1)
-        if not all(p.greedy for p in params):
-            tokens = torch.where(knob("temperature", torch.float32) > 0, self._race(logp, seqs), tokens)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        if all(p.greedy or (p.top_k == -1 and p.top_p == 1 and p.min_p == 0) for p in params):
+            # no row truncates: ``processed_logprobs``' own ops without its knob tensors and checks
+            logp = torch.log_softmax(logits / torch.where(temperature > 0, temperature, 1.0)[:, None], -1)
+        else:
+            knob = lambda name, dt: torch.tensor([getattr(p, name) for p in params], dtype=dt, device=dev)
+            logp = processed_logprobs(logits, temperature, knob("top_k", torch.int64), knob("top_p", torch.float32),
+                                      knob("min_p", torch.float32))
+        if not any(p.greedy for p in params):
+            tokens = self._race(logp, seqs)
+        else:
+            tokens = logits.argmax(-1)
+            if not all(p.greedy for p in params):
+                tokens = torch.where(temperature > 0, self._race(logp, seqs), tokens)
         chosen = logp.gather(1, tokens[:, None])[:, 0]
         tops = [None] * len(seqs)
         k = max(p.logprobs for p in params)
@@ -59,5 +67,5 @@ class Sampler:
             noise[unseeded] = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.generator is not None:
-                noise[i] = torch.empty(V).exponential_(generator=s.generator)
+                noise[i].exponential_(generator=s.generator)     # in place: the same V draws
         return (logp.exp() / noise.to(logp.device)).argmax(-1)

@@ -11,7 +11,10 @@ class SamplingParams:
     top-k → top-p → min-p; ``seed`` gives the request its own ``torch.Generator`` so its tokens do
     not depend on what else is batched with it (sample j of ``n`` uses ``seed + j``).
     The engine stops at the model's EOS ids (unless ``ignore_eos``), at ``stop_token_ids`` and
-    at ``stop`` strings (text is cut before the stop string; needs a tokenizer)."""
+    at ``stop`` strings (text is cut before the stop string; needs a tokenizer).
+    ``final_only`` (vLLM's ``RequestOutputKind.FINAL_ONLY``): a streaming front end hands over only each
+    sample's final snapshot, not one per token (a caller that needs only the result saves a wake-up
+    and a snapshot per token; a front end may still send more, which a caller must accept)."""
     n: int = 1
     temperature: float = 1.0
     top_k: int = -1
@@ -24,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0                # top-k log-probs per token (0 = off)
     return_routed_experts: bool = False
+    final_only: bool = False         # stream only each sample's final snapshot
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,6 +38,7 @@ class SamplingParams:
                   (self.max_tokens >= 1, "max_tokens", "must be >= 1"), (self.logprobs >= 0, "logprobs", "must be >= 0")]
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
         checks += [(whole(getattr(self, k)), k, "must be a whole number") for k in ("n", "top_k", "max_tokens", "logprobs")]
+        checks += [(isinstance(self.final_only, bool), "final_only", "must be true or false")]
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")

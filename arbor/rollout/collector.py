@@ -130,9 +130,11 @@ class Collector:
             msg["tool_call_errors"] = list(turn.errors)
         return msg
 
-    async def _model_turn(self, ep: Episode, stop: asyncio.Event) -> list[Episode]:
+    async def _model_turn(self, ep: Episode, stop: asyncio.Event, interruptible: bool = True) -> list[Episode]:
         """Generate (the rest of) one model turn, then step the env; → the episodes that follow
-        (``[ep]`` itself, with ``partial`` kept, when ``stop`` interrupts the generation)."""
+        (``[ep]`` itself, with ``partial`` kept, when ``stop`` interrupts the generation). Not
+        ``interruptible`` (no token budget: ``stop`` is never set), the request is ``final_only``:
+        the engine hands over the finished turn alone, not a snapshot per token."""
         part = ep.partial or Segment([], True)
         ep.partial = part
         room = self.cfg.max_context - len(ep.prefix) - len(part.tokens)
@@ -142,6 +144,8 @@ class Collector:
             base = len(part.tokens)
             params = self.sampling(max_new, self.cfg.temperature, self.cfg.top_p, self._seed(ep) + base,
                                    getattr(ep.env, "ignore_eos", False))
+            if not interruptible:
+                params.final_only = True
             stream = self.engine.generate(ep.prefix + part.tokens, params)
             try:
                 async for out in stream:
@@ -198,7 +202,7 @@ class Collector:
         finished, done_tokens = [], 0
 
         def launch(ep: Episode):
-            tasks[asyncio.ensure_future(self._model_turn(ep, stop))] = ep
+            tasks[asyncio.ensure_future(self._model_turn(ep, stop, budget is not None))] = ep
 
         def track(ep: Episode):
             trees[id(ep.tree)] = ep.tree

@@ -67,9 +67,25 @@ class Tree:
 
 def build_tree(trajectories: list[list[int]]) -> Tree:
     """Trie of the trajectories on shared token prefixes, laid out depth-first (children in
-    first-appearance order)."""
+    first-appearance order). A step builds each group's tree more than once (micro-batch sizes, then
+    each forward over it), so the last ``TREE_CACHE`` trees are kept, keyed by the token ids
+    themselves: a hit returns the same ``Tree`` object (callers never modify one)."""
     if any(len(t) == 0 for t in trajectories):
         raise ValueError("every trajectory needs at least one token")
+    key = tuple(tuple(t) for t in trajectories)
+    tree = _trees.get(key)
+    if tree is None:
+        tree = _trees[key] = _build_tree(trajectories)
+        while len(_trees) > TREE_CACHE:
+            _trees.pop(next(iter(_trees)), None)      # the oldest entry
+    return tree
+
+
+TREE_CACHE = 256            # trees kept by ``build_tree`` (a step's groups, with room to spare)
+_trees: dict[tuple, Tree] = {}
+
+
+def _build_tree(trajectories: list[list[int]]) -> Tree:
     children: list[dict[int, int]] = [{}]  # trie node 0 is a virtual root
     token_of, count, node_paths = [-1], [0], []
     for traj in trajectories:
