@@ -146,9 +146,12 @@ class RemoteEngine:
 
     @staticmethod
     def _continuation(params, done: int):
-        """The same sampling for the rest of a sample after ``done`` tokens."""
+        """The same sampling for the rest of a sample after ``done`` tokens. Replicas always stream
+        (``final_only`` off; their outbox batches the snapshots): the tokens received before a replica is
+        lost are what a resubmission continues from."""
         import copy
         sub = copy.copy(params)
+        sub.final_only = False
         sub.max_tokens = params.max_tokens - done
         if params.seed is not None and done:
             sub.seed = params.seed + done
