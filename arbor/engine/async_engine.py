@@ -112,9 +112,15 @@ class AsyncLLMEngine:
             else:
                 return
 
+    @staticmethod
+    def _withheld(seq) -> bool:
+        """A snapshot a ``final_only`` request does not get (not its last). ``seq``: a Sequence, or a
+        snapshot of another rank's (rank_front), which has no params."""
+        return not seq.is_finished and getattr(getattr(seq, "params", None), "final_only", False)
+
     def _publish(self, updated) -> None:
-        for seq in updated:     # a Sequence, or a snapshot of another rank's (rank_front: no params)
-            if not seq.is_finished and getattr(getattr(seq, "params", None), "final_only", False):
+        for seq in updated:
+            if self._withheld(seq):
                 continue
             q = self.queues.get(seq.request_id)
             if q is not None:  # text only on the final snapshot (decoding every step is O(n²))

@@ -180,8 +180,8 @@ class ThreadedAsyncLLMEngine(AsyncLLMEngine):
                 outs += [s.completion(tok) for s in live]
         if not self._paused and eng.has_unfinished():
             for seq in eng.step():
-                if not seq.is_finished and getattr(getattr(seq, "params", None), "final_only", False):
-                    continue      # (a snapshot of another rank's sequence has no params)
+                if self._withheld(seq):
+                    continue
                 outs.append(seq.completion(tok if seq.is_finished else None))
                 if seq.is_finished and all(s.is_finished for s in eng.requests.get(seq.request_id, ())):
                     eng.requests.pop(seq.request_id, None)

@@ -23,8 +23,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* x [M, K] (rows contiguous, W elements of `esize` bytes per value group) → xt [ceil(M/16)][G][16]
-   groups of `esize` bytes (G = K / values per group), rows past M zero. */
+/* x [M, G] of 32-bit groups (a float32 value, or a pair of bfloat16 inputs), rows contiguous →
+   xt [ceil(M/16)][G][16]: per tile of 16 rows, group g of every row side by side; rows past M zero. */
 static int32_t *transpose_rows(const int32_t *x, int M, int G) {
     const int tiles = (M + 15) / 16;
     int32_t *xt = aligned_alloc(64, (size_t)tiles * G * 16 * sizeof(int32_t));
