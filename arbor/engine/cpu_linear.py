@@ -41,7 +41,7 @@ from torch import nn
 
 from arbor.kernels import cpu_moe, cpu_small_linear
 from arbor.models.attention import SoftmaxAttention
-from arbor.models.layers import MLP, silu_mul
+from arbor.models.layers import MLP, Linear, silu_mul
 from arbor.models.moe import MoE, Experts
 
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")
@@ -299,7 +299,7 @@ def pack_linears(model: nn.Module, fp32: bool = False, few_rows: bool = True) ->
         else:
             continue
         fused.update(map(id, group))
-    rest = [m for m in model.modules() if type(m) is nn.Linear and id(m) not in fused]
+    rest = [m for m in model.modules() if type(m) in (nn.Linear, Linear) and id(m) not in fused]
     for m in rest:
         m.__class__ = PackedLinear
         m.few_rows = few_rows

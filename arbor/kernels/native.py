@@ -35,11 +35,17 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
+def enabled() -> bool:
+    """``ARBOR_CPU_KERNELS`` (default 1): 1 builds and uses the C kernels and the oneDNN float32 GEMMs
+    (``fp32_gemm``), 0 runs PyTorch's own paths only; anything else raises ValueError."""
     kernels = os.environ.get("ARBOR_CPU_KERNELS", "1")
     if kernels not in ("0", "1"):
         raise ValueError(f"ARBOR_CPU_KERNELS={kernels!r}: must be 1 (build and use the C kernels) or 0 (PyTorch only)")
-    if kernels == "0":
+    return kernels == "1"
+
+
+def build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
+    if not enabled():
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

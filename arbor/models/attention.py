@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arbor.kernels import cpu_ops
-from arbor.models.layers import RMSNorm, apply_rope, rms_norm
+from arbor.models.layers import Linear, RMSNorm, apply_rope, rms_norm
 
 
 def sdpa(q, k, v, scale, mask=None, causal=False):
@@ -165,10 +165,10 @@ class SoftmaxAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         q_out = self.num_heads * self.head_dim * (2 if self.gated else 1)
         qkv_bias, o_bias = cfg.projection_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.q_proj = Linear(cfg.hidden_size, q_out, bias=qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centred=cfg.is_next)

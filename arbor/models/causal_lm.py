@@ -23,7 +23,7 @@ from torch import nn
 from arbor.models.attention import SoftmaxAttention
 from arbor.models.config import ModelConfig
 from arbor.models.gated_deltanet import GatedDeltaNet, LinearState
-from arbor.models.layers import MLP, RMSNorm, Rotary, recomputed
+from arbor.models.layers import MLP, Linear, RMSNorm, Rotary, recomputed
 from arbor.models.moe import MoE
 from arbor.models.tree_linear import linear_plan_for, tree_gated_deltanet
 
@@ -87,7 +87,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -1,7 +1,7 @@
 """Shared building blocks: RMSNorm, rotary position embedding, SwiGLU MLP.
 
-- RMSNorm: ``y = x / sqrt(mean(x²) + eps) · w`` computed in float32 (float64 for float64 x). Qwen3 casts the normalised
-  value back to the input dtype before the product; Qwen3-Next (``zero_centred``) stores ``w`` as
+- RMSNorm: ``y = x / sqrt(mean(x²) + eps) · w`` computed in float32 (float64 for float64 x). Qwen3 casts the
+  normalised value back to the input dtype before the product; Qwen3-Next (``zero_centred``) stores ``w`` as
   an offset and computes ``(x̂ · (1 + w))`` in float32 before the cast.
 - RoPE (rotate-half form) on the first ``rotary_dim`` channels of each head:
   ``x' = x · cos(pθ) + rotate_half(x) · sin(pθ)``, ``θ_i = base^(-2i / rotary_dim)``.
@@ -11,6 +11,8 @@
   ``s = (L/λ − low_freq_factor) / (high_freq_factor − low_freq_factor)`` (transformers'
   ``_compute_llama3_parameters``, in the same operation order).
 - SwiGLU: ``down(silu(gate(x)) · up(x))`` (Llama's ``mlp_bias``: each projection with a bias).
+- Linear: ``nn.Linear`` whose float32 CPU GEMMs run on oneDNN (``arbor.kernels.fp32_gemm``); every
+  projection of the models is one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.kernels import cpu_ops
+from arbor.kernels import cpu_ops, fp32_gemm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
@@ -96,15 +98,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) with its GEMMs by ``fp32_gemm.linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp32_gemm.linear(x, self.weight, self.bias)
+
+
 class MLP(nn.Module):
     fused_gate_up = None   # optional x → [gate | up] in one GEMM (the engine's packed CPU copy)
     engine_owned = False   # set on the engine's own CPU copy: float32 may use the fused C ops too
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))

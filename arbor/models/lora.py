@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from arbor.kernels import fp32_gemm
+from arbor.models.layers import Linear
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -58,15 +61,15 @@ class LoRAConfig:
         return self.rank > 0
 
 
-class LoRALinear(nn.Linear):
-    """An ``nn.Linear`` with a low-rank update (module docstring); made by ``apply_lora`` in place."""
+class LoRALinear(Linear):
+    """A ``Linear`` with a low-rank update (module docstring); made by ``apply_lora`` in place."""
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     scaling: float
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        base = fp32_gemm.linear(x, self.weight, self.bias)
         a = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         a = a.to(self.lora_A.dtype) if not torch.is_autocast_enabled(x.device.type) else a
         return base + (F.linear(F.linear(a, self.lora_A), self.lora_B) * self.scaling).to(base.dtype)
@@ -137,11 +140,11 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its weight and turn the module back into a plain ``nn.Linear``."""
+    """Fold every adapter into its weight and turn the module back into a plain ``Linear``."""
     for m in lora_modules(model).values():
         m.weight.data = m.merged_weight()
         del m.lora_A, m.lora_B
-        m.__class__ = nn.Linear
+        m.__class__ = Linear
     model.__dict__.pop("lora_config", None)
     return model
 

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.models.layers import MLP
+from arbor.kernels import fp32_gemm
+from arbor.models.layers import MLP, Linear
 from arbor.models.rows import take_rows
 
 
@@ -54,7 +55,7 @@ class RoutedRows(torch.autograd.Function):
     ``h = x G_eᵀ`` ([g | u], 2I wide), ``a = silu(g) · u``, ``y = w · (a D_eᵀ)``. Backward, per expert
     that has rows, with ``dy' = w · dy``: ``dD_e = dy'ᵀ a``, ``da = dy' D_e``, ``du = da · silu(g)``,
     ``dg = da · u · silu'(g)``, ``dG_e = [dg | du]ᵀ x``, ``dx = [dg | du] G_e``, ``dw = Σ_D dy · (a D_eᵀ)``.
-    Each product is one GEMM per expert written in place into one buffer (no per-expert zero gradient
+    Each product is one GEMM per expert (``fp32_gemm.mm_into``) written into one buffer (no per-expert zero gradient
     of the whole [E, …] tensor, no concatenation); experts without rows get a zero weight gradient.
     Saved: x, h and the unweighted y (when w needs a gradient); a is recomputed from h."""
 
@@ -65,10 +66,10 @@ class RoutedRows(torch.autograd.Function):
         h = x.new_empty(x.shape[0], 2 * inter)
         y = x.new_empty(x.shape[0], down.shape[1])
         for e, a, b in spans:
-            torch.mm(x[a:b], gate_up[e].t(), out=h[a:b])
+            fp32_gemm.mm_into(h[a:b], x[a:b], gate_up[e].t())
         act = F.silu(h[:, :inter]).mul_(h[:, inter:])
         for e, a, b in spans:
-            torch.mm(act[a:b], down[e].t(), out=y[a:b])
+            fp32_gemm.mm_into(y[a:b], act[a:b], down[e].t())
         ctx.spans = spans
         ctx.save_for_backward(x, w, gate_up, down, h, y if w is not None and ctx.needs_input_grad[1] else None)
         return y if w is None else y * w[:, None]
@@ -86,9 +87,9 @@ class RoutedRows(torch.autograd.Function):
         da = dout.new_empty(dout.shape[0], inter)
         act = silu_g * u if need_down else None         # recomputed: cheaper than keeping [R, I]
         for e, a, b in spans:
-            torch.mm(dy[a:b], down[e], out=da[a:b])
+            fp32_gemm.mm_into(da[a:b], dy[a:b], down[e])
             if need_down:
-                torch.mm(dy[a:b].t(), act[a:b], out=d_down[e])
+                fp32_gemm.mm_into(d_down[e], dy[a:b].t(), act[a:b])
         dh = torch.empty_like(h)
         torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dh[:, :inter])
         torch.mul(da, silu_g, out=dh[:, inter:])
@@ -96,9 +97,9 @@ class RoutedRows(torch.autograd.Function):
         d_gate_up = _empty_grad(gate_up, spans) if need_gu else None
         for e, a, b in spans:
             if need_x:
-                torch.mm(dh[a:b], gate_up[e], out=dx[a:b])
+                fp32_gemm.mm_into(dx[a:b], dh[a:b], gate_up[e])
             if need_gu:
-                torch.mm(dh[a:b].t(), x[a:b], out=d_gate_up[e])
+                fp32_gemm.mm_into(d_gate_up[e], dh[a:b].t(), x[a:b])
         return dx, dw, d_gate_up, d_down, None
 
 
@@ -118,7 +119,8 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     Token copies are sorted by expert (one stable argsort) and gathered once; ``RoutedRows`` runs each
     expert that received tokens on its contiguous slice, weighted, and one ``index_add_`` sums the
     copies back per token; the loop is over experts, never over tokens. In bfloat16 / float16 on CPU
-    every expert's slice is padded to a multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
+    (and float32 where its GEMMs go to oneDNN, ``fp32_gemm``) every expert's slice is padded to a
+    multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
     which add exactly 0 to every output and gradient): oneDNN builds a kernel per GEMM shape, so
     rows counts that change every step would pay that build on every GEMM. An expert module with a
     ``serve`` method (the engine's packed CPU copy) may serve the call itself (when it returns a
@@ -137,7 +139,8 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
             return torch.zeros_like(x)
         return torch.zeros_like(x).index_add_(0, token, rows * weights.reshape(-1)[order, None].to(x.dtype))
     if pad is None:
-        pad = PAD_ROWS if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else 1
+        onednn = x.dtype in (torch.bfloat16, torch.float16) or fp32_gemm.active(x)
+        pad = PAD_ROWS if x.device.type == "cpu" and onednn else 1
     if pad > 1:
         order, counts = padded_order(order, counts, pad)
     copy_weights = torch.cat([weights.reshape(-1).to(x.dtype), weights.new_zeros(1, dtype=x.dtype)])
@@ -166,12 +169,12 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size > 0:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
         self.dispatch = dispatch_experts
 
     def route(self, x: torch.Tensor, ids: torch.Tensor | None = None):

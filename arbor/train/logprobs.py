@@ -23,10 +23,11 @@ Both give the same values and gradients.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from arbor.kernels import fp32_gemm
 from arbor.models import CausalLM, VarlenAttention
+from arbor.models.layers import Linear
 from arbor.models.sampling import SamplingSpec
 from arbor.train.losses import router_aux_loss
 
@@ -73,7 +74,7 @@ class LogprobHead(torch.autograd.Function):
                     entropy.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))
                 if eager:
                     at = torch.arange(len(y), device=y.device)
-                    d[s:s + rows] = _logit_grad(p, at, y, out.new_ones(len(y)), temperature, dtype) @ w
+                    d[s:s + rows] = fp32_gemm.mm(_logit_grad(p, at, y, out.new_ones(len(y)), temperature, dtype), w)
         ctx.save_for_backward(*((d,) if eager else (hidden, weight, targets, lse)))
         ctx.temperature, ctx.rows, ctx.dtype, ctx.eager = temperature, rows, dtype, eager
         return out
@@ -97,9 +98,9 @@ class LogprobHead(torch.autograd.Function):
                 hit = (targets >= v) & (targets < v + cols)
                 grad = _logit_grad(p, every[hit], targets[hit] - v, g, t, dtype)
                 if need_h:
-                    gh += grad @ w
+                    gh += fp32_gemm.mm(grad, w)
                 if need_w:
-                    gw[v:v + cols] = grad.t() @ h
+                    fp32_gemm.mm_into(gw[v:v + cols], grad.t(), h)
         return gh.to(hidden.dtype) if need_h else None, gw, None, None, None, None, None, None
 
 
@@ -113,7 +114,7 @@ def _logit_grad(p: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, g: torc
 
 
 def _scaled_logits(h: torch.Tensor, w: torch.Tensor, wide: torch.dtype, temperature: float) -> torch.Tensor:
-    z = F.linear(h, w).to(wide)
+    z = fp32_gemm.mm(h, w.t()).to(wide)
     return z / temperature if temperature != 1.0 else z
 
 
@@ -122,7 +123,7 @@ def fused_temperature(model, spec) -> float | None:
     ``spec.logprobs(model.logits(h))`` exactly (module docstring) and the plain path must run."""
     head = getattr(model, "lm_head", None)
     plain_logits = getattr(getattr(model, "logits", None), "__func__", None) is CausalLM.logits
-    if not plain_logits or type(head) is not nn.Linear or head.bias is not None:
+    if not plain_logits or type(head) not in (nn.Linear, Linear) or head.bias is not None:
         return None
     if spec is None:
         return 1.0
