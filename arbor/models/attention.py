@@ -24,14 +24,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from arbor.kernels import cpu_ops
+from arbor.models.block_attention import BLOCK, block_attention
 from arbor.models.layers import Linear, RMSNorm, apply_rope, rms_norm
 
 
 def sdpa(q, k, v, scale, mask=None, causal=False):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups), in q's dtype.
-    On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU flash kernel has no fast
-    reduced-precision path for one-query decode, and float32 only rounds once, at the output."""
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups), in q's dtype; mask: bool
+    [T, S] (True = attend) or None. On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU
+    flash kernel has no fast reduced-precision path for one-query decode, and float32 only rounds once, at
+    the output. On CPU outside inference mode, ≥ ``BLOCK`` queries of a non-float64 model go to
+    ``block_attention`` (faster GEMMs than the flash kernel's there, forward and backward)."""
     dtype = q.dtype
+    if (q.device.type == "cpu" and dtype != torch.float64 and q.shape[1] >= BLOCK
+            and not torch.is_inference_mode_enabled() and (q.shape[1] == k.shape[1] or not causal)
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 2))):
+        return block_attention(q, k, v, scale, mask, causal)
     if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
