@@ -70,8 +70,8 @@ def test_a_row_that_sees_no_key_gives_zero():
 
 def test_training_attention_on_cpu_takes_block_attention_and_inference_mode_keeps_sdpa():
     attn = VarlenAttention.from_lengths([200, 150])
-    q = torch.randn(350, 4, 16, requires_grad=True)
-    k, v = torch.randn(350, 2, 16), torch.randn(350, 2, 16)
+    q = torch.randn(350, 4, 128, requires_grad=True)
+    k, v = torch.randn(350, 2, 128), torch.randn(350, 2, 128)
 
     def blocks(fn):
         with profile() as p:
@@ -83,3 +83,4 @@ def test_training_attention_on_cpu_takes_block_attention_and_inference_mode_keep
         assert blocks(lambda: attn.attend(0, q, k, v, 0.25)) == 0
     assert blocks(lambda: sdpa(q[None, :64].double(), k[None, :64].double(), v[None, :64].double(), 0.25,
                                causal=True)) == 0          # float64 and short inputs keep PyTorch's kernel
+    assert blocks(lambda: sdpa(q[None, :, :, :64], k[None, :, :, :64], v[None, :, :, :64], 0.25, causal=True)) == 0
