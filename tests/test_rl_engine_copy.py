@@ -100,3 +100,27 @@ def test_overlap_with_an_own_copy_trains_the_given_model(tiny, one_thread):
     assert trainer.model is given and trainer.engine.engine.model is not given
     assert [r["staleness"] for r in rows] == [0, 1, 1]
     assert_engine_matches(trainer, trajectories(trainer))
+
+
+def test_arbor_train_gives_a_small_cpu_model_an_own_copy_unless_told(monkeypatch):
+    """``engine.share_weights`` unset: own copy on CPU up to ``SHARE_ABOVE_PARAMS`` parameters, shared above
+    it and on an accelerator; an explicit value wins; a bare ``LLMEngine`` shares as before."""
+    from arbor.train import config as train_config
+    from arbor.train.config import engine_shares
+    cpu, cuda = config(), config(device="cuda")
+    assert engine_shares(cpu, 10_000) is False and engine_shares(cpu, 2 * 10 ** 8) is True
+    assert engine_shares(cuda, 10_000) is True
+    assert engine_shares(config(engine=EngineConfig(share_weights=True)), 10_000) is True
+    assert engine_shares(config(engine=EngineConfig(share_weights=False)), 2 * 10 ** 8) is False
+    monkeypatch.setattr(train_config, "SHARE_ABOVE_PARAMS", 5)
+    assert engine_shares(cpu, 10_000) is True
+
+
+def test_build_trainer_follows_engine_shares(tmp_path):
+    from arbor.train.run import build_trainer
+    from tests.server_helpers import tiny_folder
+    tiny_folder(tmp_path / "m")
+    for value, owned in ((None, True), (True, False)):
+        cfg = config(model=str(tmp_path / "m"), out=str(tmp_path / "out"), engine=EngineConfig(share_weights=value))
+        trainer = build_trainer(cfg)
+        assert (trainer.engine.engine.model is not trainer.model) == owned

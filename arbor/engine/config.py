@@ -36,7 +36,8 @@ class EngineConfig:
     ``slo_safety`` ≥ 1 on the predicted prefill time; ``arbor.engine.policies.slo_admission``).
     ``share_weights``: a module already in the engine's dtype and device is served as is (the
     caller's tensors; weight updates move nothing); False: the engine keeps its own copy, which it
-    may pack (below). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
+    may pack (below); None (the default): True here; ``arbor train`` decides by the model's size
+    (``arbor.train.config.engine_shares``). ``fp32_gemm``: the float32 linears of an engine-owned CPU copy — ``onednn``:
     oneDNN pre-packed weights (steps of ≤ 64 rows: the few-row kernel ``arbor.kernels.cpu_small_linear``)
     and the fused C ops of ``arbor.kernels.cpu_ops`` (q/k-norm + RoPE, silu · mul); sums in another
     order than ``F.linear`` and the PyTorch ops, so logits differ in the last bits | ``exact``:
@@ -69,7 +70,7 @@ class EngineConfig:
     tpot_slo: float | None = None       # layerkv policy: time-per-output-token SLO, seconds
     ttft_slo: float | None = None       # layerkv policy: time-to-first-token SLO, seconds
     slo_safety: float = 1.2             # layerkv policy: safety factor (≥ 1) on the predicted prefill time
-    share_weights: bool = True          # serve a module already in this dtype and device as is
+    share_weights: bool | None = None   # serve a module in this dtype and device as is (unset: yes; arbor train: by size)
     fp32_gemm: str = "onednn"           # float32 linears of an engine-owned CPU copy: onednn | exact
     few_row_kernel: bool = True         # CPU, packed linears: steps of <= 64 rows through the C kernel (+1 weight copy)
 
@@ -121,7 +122,7 @@ class EngineConfig:
         parse_pd_threads(self.pd_threads)
         self._validate_layer_kv()
         policy.check(self)
-        if not isinstance(self.share_weights, bool):
+        if self.share_weights is not None and not isinstance(self.share_weights, bool):
             raise ValueError(f"EngineConfig.share_weights must be true or false, got {self.share_weights!r}")
         if not isinstance(self.few_row_kernel, bool):
             raise ValueError(f"EngineConfig.few_row_kernel must be true or false, got {self.few_row_kernel!r}")

@@ -67,7 +67,7 @@ def _load(model_or_path, cfg: EngineConfig, tokenizer, ctx=None):
             tokenizer = Tokenizer.load(folder)
         return model.eval(), tokenizer, True
     model = model_or_path
-    if model.dtype != cfg.torch_dtype or model.device != torch.device(cfg.device) or not cfg.share_weights:
+    if model.dtype != cfg.torch_dtype or model.device != torch.device(cfg.device) or cfg.share_weights is False:
         return converted_copy(model, cfg.torch_dtype, cfg.device).eval(), tokenizer, True
     return model.eval(), tokenizer, False
 

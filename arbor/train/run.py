@@ -1,14 +1,16 @@
 """``arbor train`` / ``arbor eval``: build model, engine and trainer from a config and run them.
 
 The engine is colocated with the trainer (same process), built from ``engine_config(cfg)`` (the
-``engine`` section with its derived keys). In the trainer's dtype and device (and with
-``engine.share_weights``) it serves the trainer's own module, so weight sync moves nothing;
-otherwise it holds a copy that ``update_weights`` refreshes after every optimizer step.
+``engine`` section with its derived keys). In the trainer's dtype and device, where it shares
+(``engine_shares``: ``engine.share_weights``, unset: on an accelerator, or on CPU above 100 M
+parameters) it serves the trainer's own module, so weight sync moves nothing; otherwise it holds a
+copy that ``update_weights`` refreshes after every optimizer step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -72,7 +74,7 @@ def build_trainer(cfg):
     from arbor.distributed import init_distributed
     from arbor.models import ModelConfig, load_model
     from arbor.models.tokenizer import Tokenizer
-    from arbor.train.config import engine_config
+    from arbor.train.config import engine_config, engine_shares
     from arbor.train.rl import RLTrainer
     torch.manual_seed(cfg.seed)
     ctx = init_distributed(cfg.dist, ModelConfig.from_file(cfg.model).num_experts, cfg.device)
@@ -80,10 +82,11 @@ def build_trainer(cfg):
     model = load_model(cfg.model, dtype=frozen_dtype(cfg.lora, cfg.dtype) or torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     ecfg = engine_config(cfg)
+    shares = engine_shares(cfg, sum(p.numel() for p in model.parameters()))
     if cfg.lora.enabled or cfg.dist.fsdp:   # the engine serves its own plain copy, refreshed with merged (LoRA)
-        import dataclasses                  # or gathered (FSDP) weights at each sync (train.lora, train.fsdp)
-        from arbor.train.lora import adapt
-        ecfg = dataclasses.replace(ecfg, share_weights=False)
+        from arbor.train.lora import adapt  # or gathered (FSDP) weights at each sync (train.lora, train.fsdp)
+        shares = False
+    ecfg = dataclasses.replace(ecfg, share_weights=shares)
     engine, sampling = make_engine(model, tok, ecfg, ctx)
     if cfg.lora.enabled:
         adapt(model, cfg.lora, cfg.dtype, cfg.model, cfg.out, tok, ctx)
