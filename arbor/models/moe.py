@@ -52,12 +52,13 @@ class RoutedRows(torch.autograd.Function):
     """Grouped SwiGLU experts on rows sorted by expert, forward and backward on the routed rows only.
 
     x [R, D] holds ``counts[e]`` rows for expert e, in expert order; w [R] (or None: 1) weights them:
-    ``h = x G_eᵀ`` ([g | u], 2I wide), ``a = silu(g) · u``, ``y = w · (a D_eᵀ)``. Backward, per expert
-    that has rows, with ``dy' = w · dy``: ``dD_e = dy'ᵀ a``, ``da = dy' D_e``, ``du = da · silu(g)``,
-    ``dg = da · u · silu'(g)``, ``dG_e = [dg | du]ᵀ x``, ``dx = [dg | du] G_e``, ``dw = Σ_D dy · (a D_eᵀ)``.
-    Each product is one GEMM per expert (``fp32_gemm.mm_into``) written into one buffer (no per-expert zero gradient
-    of the whole [E, …] tensor, no concatenation); experts without rows get a zero weight gradient.
-    Saved: x, h and the unweighted y (when w needs a gradient); a is recomputed from h."""
+    ``h = x G_eᵀ`` ([g | u], 2I wide), ``a = silu(g) · u``, ``y = (w · a) D_eᵀ`` (the weight taken on the
+    I-wide rows, not the D-wide outputs). Backward, per expert that has rows, with ``t = dy D_e``:
+    ``dD_e = dyᵀ (w · a)``, ``dw = Σ_I t · a``, ``da = w · t``, ``du = da · silu(g)``,
+    ``dg = da · u · silu'(g)``, ``dG_e = [dg | du]ᵀ x``, ``dx = [dg | du] G_e``.
+    Each product is one GEMM per expert (``fp32_gemm.mm_into``) written into one buffer (no per-expert
+    zero gradient of the whole [E, …] tensor, no concatenation); experts without rows get a zero weight
+    gradient. Saved: x, w and h; a is recomputed from h."""
 
     @staticmethod
     def forward(ctx, x, w, gate_up, down, counts):
@@ -68,28 +69,33 @@ class RoutedRows(torch.autograd.Function):
         for e, a, b in spans:
             fp32_gemm.mm_into(h[a:b], x[a:b], gate_up[e].t())
         act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+        if w is not None:
+            act.mul_(w[:, None])
         for e, a, b in spans:
             fp32_gemm.mm_into(y[a:b], act[a:b], down[e].t())
         ctx.spans = spans
-        ctx.save_for_backward(x, w, gate_up, down, h, y if w is not None and ctx.needs_input_grad[1] else None)
-        return y if w is None else y * w[:, None]
+        ctx.save_for_backward(x, w, gate_up, down, h)
+        return y
 
     @staticmethod
     def backward(ctx, dout):
-        x, w, gate_up, down, h, y = ctx.saved_tensors
+        x, w, gate_up, down, h = ctx.saved_tensors
         need_x, need_w, need_gu, need_down, _ = ctx.needs_input_grad
         inter, spans = down.shape[2], ctx.spans
         g, u = h[:, :inter], h[:, inter:]
         silu_g = F.silu(g)
-        dw = (dout * y).sum(-1) if need_w else None
-        dy = (dout * w[:, None] if w is not None else dout).contiguous()
+        dout = dout.contiguous()
+        act = silu_g * u                                 # recomputed: cheaper than keeping [R, I]
+        weighted = act * w[:, None] if w is not None and need_down else act
         d_down = _empty_grad(down, spans) if need_down else None
         da = dout.new_empty(dout.shape[0], inter)
-        act = silu_g * u if need_down else None         # recomputed: cheaper than keeping [R, I]
         for e, a, b in spans:
-            fp32_gemm.mm_into(da[a:b], dy[a:b], down[e])
+            fp32_gemm.mm_into(da[a:b], dout[a:b], down[e])
             if need_down:
-                fp32_gemm.mm_into(d_down[e], dy[a:b].t(), act[a:b])
+                fp32_gemm.mm_into(d_down[e], dout[a:b].t(), weighted[a:b])
+        dw = (da * act).sum(-1) if need_w else None
+        if w is not None:
+            da.mul_(w[:, None])
         dh = torch.empty_like(h)
         torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dh[:, :inter])
         torch.mul(da, silu_g, out=dh[:, inter:])
