@@ -98,3 +98,18 @@ def test_a_job_that_fits_only_without_the_heaps_slack_switches_to_the_lean_alloc
     out = subprocess.run([sys.executable, "-c", SWITCH], env=env | {"ARBOR_MALLOC": "tuned"}, capture_output=True,
                          text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1].startswith("stopped tuned"), out.stdout + out.stderr
+
+
+def test_an_own_cpu_engine_copy_counts_its_packed_copies():
+    """Own copy on CPU: weights plus the packed copies (every linear twice with the few-row kernel, once
+    without); a shared engine counts neither."""
+    from arbor.engine.config import EngineConfig
+    counts = parameter_counts(preset_config("tiny", builtin_tokenizer()), 0, DEFAULT_TARGETS)
+    own = items(engine=EngineConfig(), engine_shares=False)
+    assert own["engine weights"] == counts["total"] * 4
+    assert own["engine's packed copies"] == counts["linear"] * 2 * 4
+    assert items(engine=EngineConfig(few_row_kernel=False), engine_shares=False)["engine's packed copies"] == \
+        counts["linear"] * 4
+    shared = items(engine=EngineConfig(), engine_shares=True)
+    assert "engine weights" not in shared and "engine's packed copies" not in shared
+    assert "engine's packed copies" not in items(engine=EngineConfig(fp32_gemm="exact"), engine_shares=False)

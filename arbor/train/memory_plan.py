@@ -15,8 +15,10 @@ of expert parallelism hold P_e / E each; with FSDP, N data-parallel ranks split 
   the stored part is the checkpointed layer inputs, plus one layer's activations rebuilt in backward;
 - the log-prob head (``arbor.train.logprobs.head_bytes``): what ``gather_logprobs`` holds at its
   peak for T rows of a V-word vocabulary (fused, or the plain path under top-p or an adapted lm_head);
-- the rollout engine (``arbor train``): its weights when it keeps its own copy, and its KV pool
-  (``engine.num_blocks`` × the bytes of one block, or the pool its config resolves to);
+- the rollout engine (``arbor train``): its weights when it keeps its own copy, on CPU with its packed
+  copies (``arbor.engine.cpu_linear``: one of every linear, one more for the few-row kernel, one of the
+  experts), and its KV pool (``engine.num_blocks`` × the bytes of one block, or the pool its config
+  resolves to);
 - the reference model of a KL penalty: a copy of the weights;
 - on CPU, the process's own memory before the model (Python, torch, the libraries), and the
   allocator's slack: the holes the heap keeps between freed blocks (``_allocator_slack``; none with
@@ -175,8 +177,12 @@ def plan(inp: PlanInputs) -> list[tuple[str, int, str]]:
         from arbor.engine.kv.paged import KVCache
         e, mc = inp.engine, inp.model
         if not inp.engine_shares:
-            items.append(("engine weights", int(total * torch.finfo(e.torch_dtype).bits // 8),
-                          "engine.dtype=bfloat16"))
+            size = torch.finfo(e.torch_dtype).bits // 8
+            items.append(("engine weights", int(total * size), "engine.dtype=bfloat16"))
+            if torch.device(e.device).type == "cpu" and (e.dtype == "bfloat16" or e.fp32_gemm == "onednn"):
+                packed = counts["linear"] * (1 + e.few_row_kernel) + counts["expert"] - ep_share
+                items.append(("engine's packed copies", int(packed * size),
+                              "engine.few_row_kernel=false, engine.fp32_gemm=exact"))
         n_attn = sum(t == "full_attention" for t in mc.layer_types)
         per_block = KVCache.bytes_per_block(n_attn, e.block_size, mc.num_key_value_heads, mc.head_dim, e.torch_dtype)
         blocks = e.num_blocks if e.num_blocks is not None else min(
