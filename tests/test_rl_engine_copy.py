@@ -103,13 +103,13 @@ def test_overlap_with_an_own_copy_trains_the_given_model(tiny, one_thread):
 
 
 def test_arbor_train_gives_a_small_cpu_model_an_own_copy_unless_told(monkeypatch):
-    """``engine.share_weights`` unset: own copy on CPU up to ``SHARE_ABOVE_PARAMS`` parameters, shared above
-    it and on an accelerator; an explicit value wins; a bare ``LLMEngine`` shares as before."""
+    """``engine.share_weights`` unset: own copy on one CPU rank up to ``SHARE_ABOVE_PARAMS`` parameters, shared
+    above it, on several ranks and on an accelerator; an explicit value wins."""
     from arbor.train import config as train_config
     from arbor.train.config import engine_shares
     cpu, cuda = config(), config(device="cuda")
     assert engine_shares(cpu, 10_000) is False and engine_shares(cpu, 2 * 10 ** 8) is True
-    assert engine_shares(cuda, 10_000) is True
+    assert engine_shares(cuda, 10_000) is True and engine_shares(cpu, 10_000, ranks=2) is True
     assert engine_shares(config(engine=EngineConfig(share_weights=True)), 10_000) is True
     assert engine_shares(config(engine=EngineConfig(share_weights=False)), 2 * 10 ** 8) is False
     monkeypatch.setattr(train_config, "SHARE_ABOVE_PARAMS", 5)

@@ -171,16 +171,17 @@ def max_prompt_tokens(cfg: RLConfig) -> int:
 SHARE_ABOVE_PARAMS = 100_000_000
 
 
-def engine_shares(cfg: RLConfig, params: int) -> bool:
+def engine_shares(cfg: RLConfig, params: int, ranks: int = 1) -> bool:
     """Whether the rollout engine serves the trainer's own tensors (where dtype and device match):
-    ``engine.share_weights``, or where it is unset, on an accelerator always and on CPU for models above
-    ``SHARE_ABOVE_PARAMS`` parameters. Below it the engine's own copy, packed for oneDNN and the few-row
-    kernel (``arbor.engine.cpu_linear``; ~3× the linear weights more memory, copied at every sync) rolls
-    out faster: measured 0.35 against 0.45 s per RL step on the e2e bench's 0.8 M-parameter model
-    (``arbor bench e2e``, AMD EPYC, 2 threads)."""
+    ``engine.share_weights``, or where it is unset, on an accelerator, on several ranks, and on CPU for
+    models above ``SHARE_ABOVE_PARAMS`` parameters. Below it, on one rank, the engine's own copy, packed
+    for oneDNN and the few-row kernel (``arbor.engine.cpu_linear``; ~3× the linear weights more memory,
+    copied at every sync) rolls out faster: measured 0.35 against 0.45 s per RL step on the e2e bench's
+    0.8 M-parameter model (``arbor bench e2e``, AMD EPYC, 2 threads). Several ranks keep sharing: an own
+    copy under expert parallelism and RoutePack's expert migration is not measured."""
     if cfg.engine.share_weights is not None:
         return cfg.engine.share_weights
-    return not cfg.device.startswith("cpu") or params > SHARE_ABOVE_PARAMS
+    return not cfg.device.startswith("cpu") or ranks > 1 or params > SHARE_ABOVE_PARAMS
 
 
 def engine_config(cfg: RLConfig) -> EngineConfig:

@@ -325,7 +325,7 @@ def from_rl(cfg, ranks: int | None = None) -> PlanInputs:
     e = engine_config(cfg)
     mcfg = _model_config(cfg.model)
     shares = (not cfg.lora.enabled and not cfg.dist.fsdp and e.dtype == "float32" and cfg.dtype == "float32"
-              and engine_shares(cfg, parameter_counts(mcfg, 0, [])["total"]))
+              and engine_shares(cfg, parameter_counts(mcfg, 0, [])["total"], world))
     tokens = cfg.tree.token_cap if cfg.tree.enabled and cfg.tree.token_cap else cfg.rollout.max_context
     return PlanInputs(model=mcfg, dtype=cfg.dtype, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.targets),
                       tokens=tokens, recompute=cfg.recompute, device=cfg.device, world_size=world, local_ranks=local,

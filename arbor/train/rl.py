@@ -2,7 +2,7 @@
 
 Colocated runtime: trainer and engine live in one process. When the engine runs in the trainer's
 dtype on the same device and shares (``arbor.train.config.engine_shares``: by default on an
-accelerator, and on CPU for models above 100 M parameters) it serves the trainer's parameter tensors,
+accelerator, on several ranks, and on CPU for models above 100 M parameters) it serves the trainer's parameter tensors,
 so a weight sync moves no data; otherwise (a float32 CPU engine then runs its own oneDNN-packed copy)
 ``engine.update_weights`` copies into the engine's own tensors and repacks them. Either way the sync time is logged every step.
 

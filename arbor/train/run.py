@@ -2,8 +2,8 @@
 
 The engine is colocated with the trainer (same process), built from ``engine_config(cfg)`` (the
 ``engine`` section with its derived keys). In the trainer's dtype and device, where it shares
-(``engine_shares``: ``engine.share_weights``, unset: on an accelerator, or on CPU above 100 M
-parameters) it serves the trainer's own module, so weight sync moves nothing; otherwise it holds a
+(``engine_shares``: ``engine.share_weights``, unset: on an accelerator, on several ranks, or on CPU
+above 100 M parameters) it serves the trainer's own module, so weight sync moves nothing; otherwise it holds a
 copy that ``update_weights`` refreshes after every optimizer step.
 """
 
@@ -82,7 +82,7 @@ def build_trainer(cfg):
     model = load_model(cfg.model, dtype=frozen_dtype(cfg.lora, cfg.dtype) or torch.float32, device=cfg.device, ctx=ctx)
     tok = Tokenizer.load(cfg.model)
     ecfg = engine_config(cfg)
-    shares = engine_shares(cfg, sum(p.numel() for p in model.parameters()))
+    shares = engine_shares(cfg, sum(p.numel() for p in model.parameters()), ctx.world_size)
     if cfg.lora.enabled or cfg.dist.fsdp:   # the engine serves its own plain copy, refreshed with merged (LoRA)
         from arbor.train.lora import adapt  # or gathered (FSDP) weights at each sync (train.lora, train.fsdp)
         shares = False
