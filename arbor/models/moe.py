@@ -112,9 +112,10 @@ class RoutedRows(torch.autograd.Function):
 def _empty_grad(weight: torch.Tensor, spans) -> torch.Tensor:
     """An uninitialised gradient of ``weight`` [E, …] with the experts that have no rows zeroed."""
     grad = torch.empty_like(weight)
-    used = torch.zeros(weight.shape[0], dtype=torch.bool)
-    used[[e for e, _, _ in spans]] = True
-    grad[~used.to(weight.device)] = 0
+    used = {e for e, _, _ in spans}
+    for e in range(weight.shape[0]):
+        if e not in used:
+            grad[e].zero_()
     return grad
 
 
