@@ -30,15 +30,33 @@ def assert_matches(got, ref, exact=None):
     assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()   # one bf16 step
 
 
-def test_rms_norm_matches_pytorch():
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_rms_norm_matches_pytorch(dtype):
     torch.manual_seed(0)
-    w = (torch.randn(128) * 0.3 + 1).to(BF)
-    x = (torch.randn(300, 3, 256) * 3).to(BF)[:, 1, 64:192]          # strided rows
+    w = (torch.randn(128) * 0.3 + 1).to(dtype)
+    x = (torch.randn(300, 3, 256) * 3).to(dtype)[:, 1, 64:192]       # strided rows
     with torch.inference_mode():
         got = cpu_ops.rms_norm(x, w, 1e-6)
     with torch.no_grad():                                             # the PyTorch path
         ref = rms_norm(x, w, 1e-6)
-    assert_matches(got, ref)
+    assert_matches(got, ref, rms_norm(x.double(), w.double(), 1e-6))
+
+
+def test_rotary_table_rows_equal_the_computed_tables():
+    """The engine's own copy reads cos/sin rows from a table built by the same element-wise ops on the same
+    float32 inputs (rows of 64: whole vectors, no scalar tail), so they are equal bit for bit; the table
+    grows past its first 2048 positions; outside inference mode (the trainer) nothing is cached."""
+    rotary = Rotary(64, 1e6)
+    rotary.cached = True
+    pos = torch.tensor([0, 5, 2047, 2048, 7000, 3])
+    with torch.inference_mode():
+        cos, sin = rotary(pos, torch.float32)
+    ref = rotary.compute(pos, torch.float32)
+    assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
+    assert rotary._tables[torch.device("cpu"), torch.float32][0].shape[0] >= 7001
+    rotary._tables.clear()
+    rotary(pos, torch.float32)
+    assert not rotary._tables
 
 
 @pytest.mark.parametrize("dtype", [BF, torch.float32])
@@ -86,6 +104,8 @@ def test_ops_serve_only_inference_mode_bf16_cpu(monkeypatch):
     x = torch.randn(4, 32)
     with torch.inference_mode():                                      # float32 only on an engine-owned copy
         assert not cpu_ops.use(x) and cpu_ops.use(x, owned=True)
+        rms_norm(x, w.float(), 1e-6, engine_owned=True)
+    assert calls == [1, 1]
     assert not cpu_ops.use(x, owned=True) and not cpu_ops.use(x.to(BF))   # never outside inference mode
 
 
@@ -93,9 +113,10 @@ def test_float32_fused_ops_only_on_the_engines_own_copy(monkeypatch):
     """A shared float32 model keeps the PyTorch ops (the trainer's log-probs bit for bit); the
     engine's own packed copy runs the fused ops with the same greedy tokens."""
     calls = []
-    real_qk, real_sm = cpu_ops.qk_norm_rope, cpu_ops.silu_mul
+    real_qk, real_sm, real_rms = cpu_ops.qk_norm_rope, cpu_ops.silu_mul, cpu_ops.rms_norm
     monkeypatch.setattr(cpu_ops, "qk_norm_rope", lambda *a: calls.append("qk") or real_qk(*a))
     monkeypatch.setattr(cpu_ops, "silu_mul", lambda *a: calls.append("sm") or real_sm(*a))
+    monkeypatch.setattr(cpu_ops, "rms_norm", lambda *a: calls.append("rms") or real_rms(*a))
     torch.manual_seed(0)
     model = CausalLM(ModelConfig(**TINY)).eval()
     prompts = [[1, 2, 3], list(range(5, 45)), [9] * 20]
@@ -106,7 +127,7 @@ def test_float32_fused_ops_only_on_the_engines_own_copy(monkeypatch):
     if not own.num_packed:
         pytest.skip("no oneDNN float32 packing here")
     fused = own.generate(prompts, params)
-    assert "qk" in calls and "sm" in calls
+    assert "qk" in calls and "sm" in calls and "rms" in calls and own.model.rotary.cached
     assert [o.token_ids for o in fused] == [o.token_ids for o in shared]
     model64 = copy.deepcopy(model).double()                # log-probs: 10× float32 noise (measured ≤ 0.8×)
     assert_within_engine_noise([o.logprobs for o in fused], [o.logprobs for o in shared],

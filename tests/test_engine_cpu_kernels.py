@@ -31,7 +31,7 @@ def reference(q, kc, vc, tables, lens, bs, scale, dtype=torch.float64):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (2, 2, 8), (8, 1, 128), (4, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (2, 2, 8), (8, 1, 128), (4, 2, 128), (4, 4, 32), (4, 2, 32), (16, 2, 16)])
 def test_kernel_matches_attention_over_the_block_table(dtype, heads, kv_heads, head_dim):
     torch.manual_seed(0)
     bs, blocks, width = 16, 40, 5

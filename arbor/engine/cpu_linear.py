@@ -15,8 +15,9 @@ weight):
   dense GEMMs — and each step served by the path a measured cost model (``step_costs``) finds
   cheapest (training keeps the parameters).
 
-Every attention and MLP module of a packed copy is marked ``engine_owned``: its float32 forwards
-may then run the fused element-wise C ops too (``arbor.kernels.cpu_ops``; last-bit differences).
+Every attention, MLP and RMSNorm module of a packed copy is marked ``engine_owned``: its float32 forwards
+may then run the fused element-wise C ops too (``arbor.kernels.cpu_ops``; last-bit differences); its
+rotary embedding reads cos/sin from a table (``Rotary.table``).
 Steps of at most ``cpu_small_linear.MAX_ROWS`` rows (decoding) run the packed and fused linears
 through the few-row C kernel instead, where ``small_linear_serves`` says it is the faster one (its own
 packed copy; ``arbor.kernels.cpu_small_linear``).
@@ -41,7 +42,7 @@ from torch import nn
 
 from arbor.kernels import cpu_moe, cpu_small_linear
 from arbor.models.attention import SoftmaxAttention
-from arbor.models.layers import MLP, Linear, silu_mul
+from arbor.models.layers import MLP, Linear, RMSNorm, Rotary, silu_mul
 from arbor.models.moe import MoE, Experts
 
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")
@@ -289,8 +290,10 @@ def pack_linears(model: nn.Module, fp32: bool = False, few_rows: bool = True) ->
     if model.dtype not in dtypes or model.device.type != "cpu" or not available(model.dtype):
         return 0
     fused = set()
+    if isinstance(rotary := getattr(model, "rotary", None), Rotary):
+        rotary.cached = True               # decode steps read cos/sin rows from a table
     for m in model.modules():
-        if isinstance(m, (SoftmaxAttention, MLP)):
+        if isinstance(m, (SoftmaxAttention, MLP, RMSNorm)):
             m.engine_owned = True          # the fused element-wise C ops may serve float32 too (cpu_ops)
         if isinstance(m, SoftmaxAttention) and _fusable(group := [m.q_proj, m.k_proj, m.v_proj]):
             m.fused_qkv = FusedLinear(group, few_rows)

@@ -99,6 +99,11 @@ static inline void norm_row_f32(const float *x, const float *w, int D, float eps
     for (int i = 0; i < D; i++) y[i] = w[i] * (x[i] * r);
 }
 
+/* x: rows of D, row i at x + i · stride; out: contiguous [rows, D] */
+void rms_norm_f32(const float *x, long stride, const float *w, float *out, long rows, int D, float eps) {
+    for (long t = 0; t < rows; t++) norm_row_f32(x + t * stride, w, D, eps, out + t * D);
+}
+
 void qk_norm_rope_f32(const float *q, long q_stride, const float *k, long k_stride, const float *wq, const float *wk,
                       const float *cos, const float *sin, float *out, long T, int Hq, int Hk, int D, int R, float eps) {
     float y[D];

@@ -28,11 +28,11 @@ def _lib():
     if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    lib.rms_norm.argtypes = [p, i64, p, p, i64, i32, f32]
+    lib.rms_norm.argtypes = lib.rms_norm_f32.argtypes = [p, i64, p, p, i64, i32, f32]
     lib.qk_norm_rope.argtypes = lib.qk_norm_rope_f32.argtypes = [p, i64, p, i64, p, p, p, p, p, i64, i32, i32,
                                                                  i32, i32, f32]
     lib.silu_mul.argtypes = lib.silu_mul_f32.argtypes = [p, i64, p, i64, p, i64, i32]
-    for fn in (lib.rms_norm, lib.qk_norm_rope, lib.qk_norm_rope_f32, lib.silu_mul, lib.silu_mul_f32):
+    for fn in (lib.rms_norm, lib.rms_norm_f32, lib.qk_norm_rope, lib.qk_norm_rope_f32, lib.silu_mul, lib.silu_mul_f32):
         fn.restype = None
     return lib
 
@@ -51,10 +51,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight · bf16(rmsnorm(x))`` over the last dim; weight [D] bfloat16."""
+    """``weight · bf16(rmsnorm(x))`` over the last dim (float32: ``weight · rmsnorm(x)``); weight [D] of x's
+    dtype, bfloat16 or float32."""
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype)
-    _lib().rms_norm(x2.data_ptr(), x2.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), x2.shape[0],
+    (_lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm)(x2.data_ptr(), x2.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), x2.shape[0],
                     x2.shape[1], eps)
     return out.view(x.shape)
 

@@ -5,8 +5,8 @@
        s_t = scale · q_j · k_{slot(t), h},   slot(t) = table[t / bs] · bs + t % bs,   t < n
        out_j = Σ_t softmax(s)_t · v_{slot(t), h}
    The softmax is exact (two passes: max, then exp-sum); bfloat16 output rounds once, to nearest
-   even. With AVX-512 a bfloat16 cache takes two other paths (scores by vdpbf16ps, the value pass with its
-   accumulators in registers), same math.
+   even. With AVX-512 the value pass keeps its accumulators in registers, and a bfloat16 cache takes its
+   scores by vdpbf16ps; same math. Head sizes 32, 64 and 128 are compiled as constants.
    Built and loaded by arbor/kernels/cpu_attention.py. */
 #include <float.h>
 #include <math.h>
@@ -49,11 +49,11 @@ static inline __attribute__((always_inline)) const float *row_at(const void *cac
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* The value pass over a bfloat16 cache for one kv head h and its G query heads (j = h·G + g, probabilities
+/* The value pass over a float32 or bfloat16 cache for one kv head h and its G query heads (j = h·G + g, probabilities
    at p + j·n): acc_j = Σ_t p_j[t] · v_t over keys 0..n−1, the G · D/16 float32 accumulators in registers
    (G · D/16 ≤ 16), the next block's rows prefetched; acc: G rows of D floats, written once at the end
    (no stores of converted rows or partial accumulators, which the generic pass makes). */
-static inline __attribute__((always_inline)) void v_pass_bf16(const uint16_t *v_cache, const int32_t *table, int n,
+static inline __attribute__((always_inline)) void v_pass(const void *v_cache, const int bf16, const int32_t *table, int n,
         int block_size, int num_kv_heads, int h, const int D, const int G, const float *p, float *acc) {
     const int V = D / 16, nblocks = (n + block_size - 1) / block_size;
     __m512 a[16], row[8];   /* fixed sizes: registers once the loops unroll */
@@ -64,11 +64,12 @@ static inline __attribute__((always_inline)) void v_pass_bf16(const uint16_t *v_
         const long base = (long)table[blk] * block_size;
         const long next = blk + 1 < nblocks ? (long)table[blk + 1] * block_size : -1;
         for (int r = 0; r < rows; r++) {
-            if (next >= 0) prefetch_row(v_cache, next + r, num_kv_heads, h, D, 1);
-            const uint16_t *src = v_cache + ((base + r) * num_kv_heads + h) * D;
+            if (next >= 0) prefetch_row(v_cache, next + r, num_kv_heads, h, D, bf16);
+            const long off = ((base + r) * num_kv_heads + h) * D;
             for (int v = 0; v < V; v++)   /* bfloat16 → float32: the 16 bits become the high half */
-                row[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16 * v))), 16));
+                row[v] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)v_cache + off + 16 * v))), 16))
+                              : _mm512_loadu_ps((const float *)v_cache + off + 16 * v);
             for (int g = 0; g < G; g++) {
                 const __m512 pt = _mm512_set1_ps(pj[(long)g * n + t0 + r]);
                 for (int v = 0; v < V; v++) a[g * V + v] = _mm512_fmadd_ps(pt, row[v], a[g * V + v]);
@@ -150,14 +151,17 @@ static inline __attribute__((always_inline)) void attend_seq(
         mx[j] = 1.f / z;   /* from here on: the normaliser */
     }
 #if defined(__AVX512F__)
-    if (bf16 && D % 16 == 0 && D <= 128 && (G == 1 || G == 2 || G == 4 || G == 8) && G * (D / 16) <= 16) {
-        const uint16_t *vc = v_cache;
+    if (D % 16 == 0 && D <= 128 && (G == 1 || G == 2 || G == 4 || G == 8) && G * (D / 16) <= 16) {
         for (int h = 0; h < num_kv_heads; h++) {
-            switch (G) {   /* G a constant in each call: the accumulators unroll into registers */
-                case 1: v_pass_bf16(vc, table, n, block_size, num_kv_heads, h, D, 1, p, acc[h]); break;
-                case 2: v_pass_bf16(vc, table, n, block_size, num_kv_heads, h, D, 2, p, acc[2 * h]); break;
-                case 4: v_pass_bf16(vc, table, n, block_size, num_kv_heads, h, D, 4, p, acc[4 * h]); break;
-                default: v_pass_bf16(vc, table, n, block_size, num_kv_heads, h, D, 8, p, acc[8 * h]); break;
+            switch (G * 2 + !bf16) {   /* G and the dtype constants in each call: the accumulators unroll into registers */
+                case 2: v_pass(v_cache, 1, table, n, block_size, num_kv_heads, h, D, 1, p, acc[h]); break;
+                case 3: v_pass(v_cache, 0, table, n, block_size, num_kv_heads, h, D, 1, p, acc[h]); break;
+                case 4: v_pass(v_cache, 1, table, n, block_size, num_kv_heads, h, D, 2, p, acc[2 * h]); break;
+                case 5: v_pass(v_cache, 0, table, n, block_size, num_kv_heads, h, D, 2, p, acc[2 * h]); break;
+                case 8: v_pass(v_cache, 1, table, n, block_size, num_kv_heads, h, D, 4, p, acc[4 * h]); break;
+                case 9: v_pass(v_cache, 0, table, n, block_size, num_kv_heads, h, D, 4, p, acc[4 * h]); break;
+                case 16: v_pass(v_cache, 1, table, n, block_size, num_kv_heads, h, D, 8, p, acc[8 * h]); break;
+                default: v_pass(v_cache, 0, table, n, block_size, num_kv_heads, h, D, 8, p, acc[8 * h]); break;
             }
         }
     } else
@@ -194,7 +198,9 @@ void paged_decode_attention(const void *q, long q_stride, const void *k_cache, c
         const int n = context_lens[b];
         const int32_t *table = block_tables + (long)b * table_width;
         float *p = malloc(sizeof(float) * (size_t)num_heads * n);
-        if (head_dim == 64)
+        if (head_dim == 32)
+            attend_seq(q, k_cache, v_cache, out, bf16, table, n, q_stride, b, num_heads, num_kv_heads, 32, block_size, scale, p);
+        else if (head_dim == 64)
             attend_seq(q, k_cache, v_cache, out, bf16, table, n, q_stride, b, num_heads, num_kv_heads, 64, block_size, scale, p);
         else if (head_dim == 128)
             attend_seq(q, k_cache, v_cache, out, bf16, table, n, q_stride, b, num_heads, num_kv_heads, 128, block_size, scale, p);

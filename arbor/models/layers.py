@@ -26,13 +26,15 @@ from torch import nn
 from arbor.kernels import cpu_ops, fp32_gemm
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False,
+             engine_owned: bool = False) -> torch.Tensor:
     """The RMSNorm above over x's last dim; ``weight`` broadcasts over x's trailing dims ([D], or
-    [H, D] for one weight per head)."""
-    if x.dtype == torch.float32 and not zero_centred and weight.dim() == 1:   # one fused call, bit-identical here
-        return F.rms_norm(x, weight.shape, weight, eps)
-    if not zero_centred and weight.dim() == 1 and weight.dtype == x.dtype and cpu_ops.use(x):   # the engine, bf16 CPU
+    [H, D] for one weight per head). ``engine_owned``: float32 may take the fused C op (``cpu_ops.use``)."""
+    fused = not zero_centred and weight.dim() == 1 and weight.dtype == x.dtype
+    if fused and cpu_ops.use(x, engine_owned):   # the engine: bf16 CPU, or float32 on its own copy
         return cpu_ops.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32 and fused:   # one fused call, bit-identical here
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = F.rms_norm(x.to(torch.promote_types(x.dtype, torch.float32)), x.shape[-1:], None, eps)
     if zero_centred:
         return (xf * (1.0 + weight.to(xf.dtype))).type_as(x)
@@ -46,18 +48,23 @@ class RMSNorm(nn.Module):
         self.zero_centred = zero_centred
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
+    engine_owned = False   # set on the engine's own CPU copy: float32 may use the fused C op too
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.zero_centred)
+        return rms_norm(x, self.weight, self.eps, self.zero_centred, self.engine_owned)
 
 
 class Rotary:
     """cos/sin tables for given positions; holds no parameters (nothing to load or save)."""
+
+    cached = False   # set on the engine's own CPU copy: inference reads the rows of a table (``table``)
 
     def __init__(self, rotary_dim: int, base: float, scaling: dict | None = None):
         self.rotary_dim = rotary_dim
         self.base = base
         self.scaling = scaling or {}
         self._inv_freq: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inv_freq(self, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if (device, dtype) not in self._inv_freq:
@@ -70,10 +77,27 @@ class Rotary:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] → (cos, sin), each [T, rotary_dim]; computed in float32 (float64 for float64)."""
+        if self.cached and torch.is_inference_mode_enabled() and positions.numel():
+            cos, sin = self.table(int(positions.max()) + 1, positions.device, dtype)
+            return cos[positions], sin[positions]
+        return self.compute(positions, dtype)
+
+    def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         ct = torch.promote_types(dtype, torch.float32)
         freqs = positions.to(ct)[:, None] * self.inv_freq(positions.device, ct)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def table(self, n: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions 0..m−1 for some m ≥ n, computed by ``compute`` (a
+        decode step then costs two row gathers instead of a dozen small ops); grown by doubling."""
+        key = (torch.device(device), dtype)
+        have = self._tables.get(key)
+        if have is None or have[0].shape[0] < n:
+            m = max(n, 2 * (have[0].shape[0] if have is not None else 1024))
+            with torch.inference_mode():
+                have = self._tables[key] = self.compute(torch.arange(m, device=device), dtype)
+        return have
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
