@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from arbor.models import BlockDiffusionAttention, CausalLM, ModelConfig, TreeAttention, VarlenAttention
 from arbor.models.attention import ancestor_mask, tree_depths
@@ -105,12 +106,17 @@ def test_gradient_checkpointing_same_gradients():
         assert torch.allclose(g0, g1, rtol=0, atol=1e-10)     # float64, gradients < 1: measured 0 (same ops)
 
 
-def test_reduced_precision_attention_runs_in_float32_on_cpu():
+def test_bf16_attention_on_cpu_is_float32_in_the_engine_and_pytorchs_bf16_kernel_in_training():
     from arbor.models.attention import sdpa
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 5, 4, 8).bfloat16(), torch.randn(3, 9, 2, 8).bfloat16(), torch.randn(3, 9, 2, 8).bfloat16())
     mask = torch.rand(3, 1, 5, 9) > 0.3
     mask[..., 0] = True
-    out = sdpa(q, k, v, 0.35, mask=mask)
-    ref = sdpa(q.float(), k.float(), v.float(), 0.35, mask=mask)
+    with torch.inference_mode():
+        out = sdpa(q, k, v, 0.35, mask=mask)
+        ref = sdpa(q.float(), k.float(), v.float(), 0.35, mask=mask)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref.bfloat16())   # one rounding, at the output
+    train = sdpa(q, k, v, 0.35, mask=mask)                                      # PyTorch's own bfloat16 SDPA
+    direct = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                            scale=0.35, enable_gqa=True).transpose(1, 2)
+    assert train.dtype == torch.bfloat16 and torch.equal(train, direct)

@@ -30,17 +30,20 @@ from arbor.models.layers import Linear, RMSNorm, apply_rope, rms_norm
 
 def sdpa(q, k, v, scale, mask=None, causal=False):
     """q [B, T, Hq, D], k/v [B, S, Hkv, D] → [B, T, Hq, D] (GQA by head groups), in q's dtype; mask: bool
-    [T, S] (True = attend) or None. On CPU, bfloat16/float16 inputs are attended in float32: PyTorch's CPU
-    flash kernel has no fast reduced-precision path for one-query decode, and float32 only rounds once, at
-    the output. On CPU outside inference mode, ≥ ``BLOCK`` queries of a non-float64 model with heads of
-    ≥ 128 go to ``block_attention`` (measured fwd + bwd against the flash kernel, AMD EPYC Zen 5: 0.75× the
-    time at heads of 128, 1.0–1.02× at 64)."""
+    [T, S] (True = attend) or None. On CPU in inference mode (the engine), bfloat16/float16 inputs are
+    attended in float32: PyTorch's CPU flash kernel has no fast reduced-precision path for one-query
+    decode, and float32 only rounds once, at the output. On CPU outside inference mode (training), ≥
+    ``BLOCK`` queries of a non-float64 model with heads of ≥ 128 go to ``block_attention`` (measured fwd +
+    bwd against the flash kernel, AMD EPYC Zen 5: 0.75× the time at heads of 128 in float32, equal in
+    bfloat16); other bfloat16 inputs take PyTorch's bfloat16 flash kernel as they are (float32 sums,
+    probabilities rounded to bfloat16 for P·V, as transformers' SDPA path and FlashAttention do: 0.94×
+    the time of the float32 upcast for a tiny Qwen3 fwd + bwd)."""
     dtype = q.dtype
     if (q.device.type == "cpu" and dtype != torch.float64 and q.shape[1] >= BLOCK and q.shape[-1] >= 128
             and not torch.is_inference_mode_enabled() and (q.shape[1] == k.shape[1] or not causal)
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 2))):
         return block_attention(q, k, v, scale, mask, causal)
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+    if q.device.type == "cpu" and (dtype == torch.float16 or dtype == torch.bfloat16 and torch.is_inference_mode_enabled()):
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
