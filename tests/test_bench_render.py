@@ -81,3 +81,15 @@ def test_figures_flatten_scalars_and_summarise_series():
                                     "h": [{"k": i} for i in range(9)]})
     assert rows == [("a.b", "1.235"), ("a.c", "1, 2, 3"), ("s", "10 values: median 4.5 (0 – 9)")]
     assert omitted == [("h", 9)]
+
+
+def test_the_cpu_is_named_with_its_family_and_model_numbers():
+    from arbor.bench.common import _cpuinfo
+    from arbor.bench.render import isa_label
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: other\n")
+    name, flags, cpu_id = _cpuinfo(text)
+    assert (name, flags, cpu_id) == ("AMD EPYC", ["fpu", "avx2", "avx512f"], "family 25 model 17")   # the first CPU's
+    assert _cpuinfo("Model\t: Raspberry Pi\nFeatures\t: neon\n") == ("Raspberry Pi", ["neon"], None)
+    assert isa_label({"cpu": name, "cpu_id": cpu_id, "isa": ["avx512f"]}) == "AMD EPYC family 25 model 17 (AVX-512)"
+    assert isa_label({"cpu": "AMD EPYC", "isa": ["avx2"]}) == "AMD EPYC (AVX2)"        # results from before cpu_id

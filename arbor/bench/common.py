@@ -57,13 +57,15 @@ RUN_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ARBOR_MALLOC", "ARBOR_CPU_KERN
            "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "CUDA_VISIBLE_DEVICES")
 
 
-def _cpuinfo() -> tuple[str | None, list[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; (None, []) where there is none."""
+def _cpuinfo(text: str | None = None) -> tuple[str | None, list[str], str | None]:
+    """(model name, flags, "family F model M") of the first CPU in /proc/cpuinfo — the x86 family and model
+    numbers tell apart CPUs that share a name (a virtual "AMD EPYC" may be a Zen 4 or a Zen 5); (None, [],
+    None) where there is no /proc/cpuinfo."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text() if text is None else text
     except OSError:
-        return None, []
-    model, flags = None, []
+        return None, [], None
+    model, flags, ids = None, [], {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -71,7 +73,10 @@ def _cpuinfo() -> tuple[str | None, list[str]]:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = value.split()
-    return model, flags
+        elif key in ("cpu family", "model") and key not in ids:
+            ids[key] = value.strip()
+    cpu_id = f"family {ids['cpu family']} model {ids['model']}" if len(ids) == 2 else None
+    return model, flags, cpu_id
 
 
 def _memory_gib() -> float | None:
@@ -86,9 +91,9 @@ def _memory_gib() -> float | None:
 
 def machine() -> dict:
     """The machine a result was measured on."""
-    model, flags = _cpuinfo()
+    model, flags, cpu_id = _cpuinfo()
     info = {"python": platform.python_version(), "torch": torch.__version__,
-            "cpu": model or platform.processor() or platform.machine(), "arch": platform.machine(),
+            "cpu": model or platform.processor() or platform.machine(), "cpu_id": cpu_id, "arch": platform.machine(),
             "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "memory_gib": _memory_gib(), "os": platform.platform(terse=True)}
     if hasattr(os, "sched_getaffinity"):

@@ -143,13 +143,14 @@ def isa_label(m: dict) -> str:
     isa = set(m.get("isa") or [])
     best = ("AVX-512 + AMX" if "amx_tile" in isa else "AVX-512" if "avx512f" in isa else "AVX2" if "avx2" in isa
             else "SVE" if "sve" in isa else "NEON" if {"neon", "asimd"} & isa else "")
-    return f"{m.get('cpu', '?')} ({best})" if best else str(m.get("cpu", "?"))
+    cpu = f"{m.get('cpu', '?')}" + (f" {m['cpu_id']}" if m.get("cpu_id") else "")
+    return f"{cpu} ({best})" if best else cpu
 
 
 def machine_line(m: dict) -> str:
     usable = m.get("cores_usable")
     cores = f"{m.get('cores')} cores" + (f" ({usable} usable)" if usable not in (None, m.get("cores")) else "")
-    parts = [m.get("cpu", "?"), m.get("arch"), cores, f"{m['memory_gib']} GiB" if m.get("memory_gib") else None]
+    parts = [m.get("cpu", "?"), m.get("cpu_id"), m.get("arch"), cores, f"{m['memory_gib']} GiB" if m.get("memory_gib") else None]
     line = ", ".join(p for p in parts if p)
     if m.get("isa"):
         line += "; ISA " + " ".join(m["isa"])
