@@ -1,10 +1,11 @@
 """Time to held-out accuracy, Arbor against TRL's ``GRPOTrainer``, on a user's own task (``arbor bench e2e``).
 
 The task is ``examples/math-word-problems``: its data (``make_data.py``, seed 0: 4000 train rows, 200
-held-out), its ``math`` reward (math-verify against the number after ``####``), its tiny
-character-level model after the example's SFT stage (``arbor sft``, the example's settings; built once
-and cached in OUT/e2e/sft). From that one model, each system trains for ``--seconds`` of wall clock,
-``--seeds`` times, in a child process of its own with the same torch threads, one run at a time:
+held-out), its ``math`` reward (math-verify against the number after ``####``), and its tiny
+character-level model after an SFT stage with the example's settings (``arbor sft``; built once per
+variant and cached in OUT/e2e/sft-<variant>). From that model, each system trains for ``--seconds`` of
+wall clock, ``--seeds`` times, in a child process of its own with the same torch threads, one run at a
+time:
 
 - Arbor: the trainer and loop of ``arbor train`` (``arbor.bench.e2e_worker``), Arbor's defaults but for
   the keys the example sets (temperature 0.7, lr 3e-4 with 5 warm-up steps, AdamW betas 0.9/0.999)
@@ -16,8 +17,11 @@ and cached in OUT/e2e/sft). From that one model, each system trains for ``--seco
   TRL's own defaults otherwise (its ``dapo`` loss, ε = 0.2). Both losses average over the batch's
   trained tokens (TRL's ``dapo``, Arbor's default ``loss.agg=token``) with one optimizer step per batch.
 
-Two variants: ``plain`` (no tools) and ``tool`` (the example's calculator, ``tools.py:calc``: Arbor's
-``tools=[…]``, TRL's ``tools=`` argument). Both children save the model every ``--save-every`` seconds
+Two variants: ``tool`` (the example's calculator, ``tools.py:calc``: Arbor's ``tools=[…]``, TRL's ``tools=``
+argument), from the model SFT'd on ``sft.jsonl`` (run.sh's stage 1: calculator calls, and answers "in its
+head" it cannot compute, which RL learns to replace by calls); and ``plain`` (no tools), from the model
+SFT'd on ``sft_worked.jsonl`` (each step's arithmetic written out, ``8*7=56``, then ``Answer: N``), whose
+slips RL reduces. Both children save the model every ``--save-every`` seconds
 of their training clock (``TrainClock``: from the child's start, imports and set-up included, saves
 excluded); after each run Arbor's engine evaluates every saved model (then deleted), and the SFT
 model at t = 0, on the first ``--eval-rows`` held-out rows, greedily (the evaluator of ``arbor eval``,
@@ -28,9 +32,7 @@ run first reaches 90 % of the better system's median final accuracy (``time_to``
 the median of Arbor's times over the median of TRL's. A TRL median that never reaches it within
 ``--seconds`` makes the ratio an upper bound (``seconds`` used for TRL's time), reported as such. There is
 no ratio when that threshold is within evaluation noise of the SFT model's accuracy (``learned``: the gap
-must exceed two binomial standard errors on ``--eval-rows`` rows): the plain variant's case, where the
-SFT'd character-level model, which cannot do the arithmetic "in its head", answers ~1 % of the held-out
-rows without its calculator and neither system learns to in ``--seconds``. Also reported: each system's
+must exceed two binomial standard errors on ``--eval-rows`` rows). Also reported: each system's
 clock at the end of its first step (start-up included), seconds per step, steps to the threshold.
 Targets (issue 42): plain ≤ 0.5× TRL's time, tool ≤ 0.33×; Arbor's final accuracy no lower than
 TRL's within the seeds' spread (≥ TRL's lowest seed).
@@ -56,6 +58,7 @@ VARIANTS = ("plain", "tool")
 WANTED = {"plain": 0.5, "tool": 0.33}
 SFT_ARGS = ("train.steps=1500", "train.batch_tokens=4096", "train.log_every=250", "train.optim.lr=3e-3",
             "train.optim.min_lr_ratio=1.0", "train.checkpoint_every=0")     # examples/math-word-problems/run.sh
+SFT_DATA = {"plain": ("sft_worked.jsonl", []), "tool": ("sft.jsonl", [f"{EXAMPLE / 'tools.py'}:calc"])}
 
 
 @dataclass
@@ -181,17 +184,23 @@ def child(cmd: list[str], threads: int, timeout: float) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def prepare(work: Path, threads: int) -> tuple[Path, Path]:
-    """The example's data and SFT model in ``work`` (built once: reused when ``sft/model.safetensors`` is there)."""
-    data, sft = work / "data", work / "sft"
+def prepare(work: Path, threads: int, variants=VARIANTS) -> tuple[Path, dict[str, Path]]:
+    """The example's data and each variant's SFT model in ``work/sft-<variant>`` (built once: reused when its
+    ``model.safetensors`` is there): ``tool`` from ``sft.jsonl`` with the calculator (run.sh's stage 1),
+    ``plain`` from ``sft_worked.jsonl``, the same questions worked out in writing without a tool."""
+    data = work / "data"
     subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), str(data), "--seed", "0", "--mental-rate", "0.7"],
                    check=True, capture_output=True)
-    if not (sft / "model.safetensors").is_file():
-        print(f"SFT of the example's tiny model (run.sh's settings) into {sft} …", flush=True)
-        subprocess.run([sys.executable, "-m", "arbor", "sft", "model=tiny", f"data.train={data / 'sft.jsonl'}",
-                        f'tools=["{EXAMPLE / "tools.py"}:calc"]', f"out={sft}", "train.seed=0", *SFT_ARGS],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    return data, sft
+    sfts = {}
+    for v in variants:
+        sft = sfts[v] = work / f"sft-{v}"
+        if not (sft / "model.safetensors").is_file():
+            rows, tools = SFT_DATA[v]
+            print(f"SFT of the example's tiny model on {rows} (run.sh's settings) into {sft} …", flush=True)
+            subprocess.run([sys.executable, "-m", "arbor", "sft", "model=tiny", f"data.train={data / rows}",
+                            f"tools={json.dumps(tools)}", f"out={sft}", "train.seed=0", *SFT_ARGS],
+                           check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return data, sfts
 
 
 class Evaluator:
@@ -213,7 +222,7 @@ class Evaluator:
         return metrics["test_accuracy"]
 
 
-def run(out_dir="benchmarks/results", seconds=120.0, save_every=3.0, seeds=(0, 1, 2), threads=2, eval_rows=100,
+def run(out_dir="benchmarks/results", seconds=120.0, save_every=3.0, seeds=(0, 1, 2), threads=2, eval_rows=200,
         variants=VARIANTS, trl="auto", settings: Settings | None = None) -> dict:
     import torch
     torch.set_num_threads(threads)
@@ -222,15 +231,18 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=3.0, seeds=(0, 1
     work = out / "e2e"
     from arbor.bench.rl_trl import ensure_trl
     trl_version = ensure_trl() if trl != "off" else None
-    data, sft = prepare(work, threads)
+    data, sfts = prepare(work, threads, variants)
     result = {"config": {"settings": asdict(s), "seconds": seconds, "save_every_s": save_every, "seeds": list(seeds),
-                         "threads": threads, "eval_rows": eval_rows, "trl_version": trl_version, "sft_model": str(sft),
-                         "sft": list(SFT_ARGS), "arbor_train": {v: arbor_overrides(s, v, data, sft, work, 0, eval_rows)
+                         "threads": threads, "eval_rows": eval_rows, "trl_version": trl_version,
+                         "sft_model": {v: str(p) for v, p in sfts.items()}, "sft": list(SFT_ARGS),
+                         "sft_data": {v: SFT_DATA[v][0] for v in variants},
+                         "arbor_train": {v: arbor_overrides(s, v, data, sfts[v], work, 0, eval_rows)
                                                                  for v in variants},
                          "trl_grpo_config": {v: trl_config(s, v) for v in variants},
                          "differences": DIFFERENCES}, "variants": {}}
     targets, rows = [], []
     for v in variants:
+        sft = sfts[v]
         ev = Evaluator(v, data, sft, eval_rows, s, work)
         base = ev.accuracy(sft)
         runs = {"arbor": [], "trl": []} if trl_version else {"arbor": []}
@@ -325,7 +337,7 @@ def add_arguments(p) -> None:
     p.add_argument("--save-every", type=float, default=3.0, help="seconds of training clock between saved models")
     p.add_argument("--seeds", type=int, default=3, help="runs per system and variant (seeds 0…n-1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every run and of the evaluation")
-    p.add_argument("--eval-rows", type=int, default=100, help="held-out rows each saved model is evaluated on")
+    p.add_argument("--eval-rows", type=int, default=200, help="held-out rows each saved model is evaluated on (200: all)")
     p.add_argument("--variant", default="both", choices=["plain", "tool", "both"])
     p.add_argument("--trl", default="auto", choices=["auto", "off"], help="off: Arbor's curves only (no TRL, no ratio)")
 

@@ -8,6 +8,8 @@ the train questions as conversations (``messages``) of a solver that calls the `
 (tools.py) once per step, then replies ``Answer: N``. On ``--mental-rate`` of the problems with at
 most two steps it answers at once instead, "in its head": a tiny model imitates that habit but
 cannot do the arithmetic, which leaves RL something to fix (it learns to reach for the tool).
+OUT_DIR/sft_worked.jsonl: the same questions as conversations of a solver without tools that writes
+each step's arithmetic out (``8*7=56``) before ``Answer: N``, for a model that must compute in writing.
 Every file is a pure function of the arguments.
 """
 
@@ -67,6 +69,12 @@ def messages(question: str, steps: list[tuple[str, str, int]], answer: int, ment
     return msgs
 
 
+def worked(question: str, steps: list[tuple[str, str, int]], answer: int) -> list[dict]:
+    """The toolless solver's conversation: one ``expr=value`` line per step, then the answer."""
+    work = "\n".join(f"{expr}={value}" for _, expr, value in steps)
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": f"{work}\nAnswer: {answer}"}]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
@@ -87,7 +95,8 @@ def main() -> None:
     write(out / "train.jsonl", [{"question": q, "answer": solution(s, n)} for q, s, n in train])
     write(out / "test.jsonl", [{"question": q, "answer": solution(s, n)} for q, s, n in test])
     write(out / "sft.jsonl", [{"messages": messages(q, s, n, a.mental_rate)} for q, s, n in train])
-    print(f"wrote {len(train)} train, {len(test)} test and {len(train)} SFT rows to {out}")
+    write(out / "sft_worked.jsonl", [{"messages": worked(q, s, n)} for q, s, n in train])
+    print(f"wrote {len(train)} train, {len(test)} test and 2 × {len(train)} SFT rows to {out}")
 
 
 def write(path: Path, rows: list[dict]) -> None:
