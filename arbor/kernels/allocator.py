@@ -7,13 +7,16 @@ again and the kernel zeroes every one (tens of thousands of minor faults per ste
 shape), and two ranks faulting at once contend for the kernel's page allocator: the slowdown of a
 slot where both ranks work, which RoutePack's balanced slots create (docs/routepack.md).
 
-``tune_allocator()`` sets M_MMAP_THRESHOLD = 32 MiB (glibc's largest), M_TOP_PAD = 256 MiB and
-M_TRIM_THRESHOLD = 0: blocks under 32 MiB come from the heap and return to it, and a trim (glibc
-checks at every large free) gives back only the heap top beyond the 256 MiB pad. Cost: a process
-keeps freed heap below its top (where the next step's blocks go again) plus up to 256 MiB on top.
-(mallopt takes a C int: the values must fit one; 4 GiB would wrap to 0.) ``ARBOR_MALLOC=system`` keeps glibc's defaults.
-``ARBOR_MALLOC=lean`` is for jobs short of memory: M_MMAP_THRESHOLD = 64 KiB, so every tensor above it
-is its own mapping, returned to the kernel when freed — resident memory is then the live tensors, with
+``tune_allocator()`` sets M_MMAP_MAX = 0 (no block is its own mapping: above 32 MiB, glibc's largest
+M_MMAP_THRESHOLD, every block would be one, as an MoE layer's expert gradients are — 128 MiB at 32
+experts of 1024 × 1024 — and be faulted in again every step: 8 % of a moe32 float32 fwd + bwd, AMD
+EPYC Zen 4), M_TRIM_THRESHOLD = 0 and M_TOP_PAD = 256 MiB: every block comes from the heap and returns
+to it, and a trim (glibc checks at every large free) gives back only the heap top beyond the 256 MiB
+pad. Where the heap cannot grow, glibc still maps a block. Cost: a process keeps freed heap below its
+top (where the next step's blocks go again) plus up to 256 MiB on top. (mallopt takes a C int: the
+values must fit one; 4 GiB would wrap to 0.) ``ARBOR_MALLOC=system`` keeps glibc's defaults.
+``ARBOR_MALLOC=lean`` is for jobs short of memory: mmap on again with M_MMAP_THRESHOLD = 64 KiB, so every
+tensor above it is its own mapping, returned to the kernel when freed — resident memory is then the live tensors, with
 none of the heap's holes (measured at Qwen3-0.6B's shape, 2048 tokens: 2–3 GiB less peak RSS, 5.7
 against 7.9 GiB for bf16 + LoRA), at the price of faulting those pages in again every step (steps took
 1.5–2.2× as long on 2 cores). Any other value is refused. A no-op where the C library is not glibc.
@@ -28,9 +31,9 @@ import ctypes
 import os
 import platform
 
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3          # glibc's <malloc.h>
-SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 0), (M_TOP_PAD, 256 << 20))
-LEAN = ((M_MMAP_THRESHOLD, 64 << 10),)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4     # glibc's <malloc.h>
+SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 0), (M_TOP_PAD, 256 << 20))
+LEAN = ((M_MMAP_MAX, 65536), (M_MMAP_THRESHOLD, 64 << 10))          # 65536: glibc's default M_MMAP_MAX
 CHOICES = ("tuned", "system", "lean")
 
 
