@@ -21,11 +21,10 @@ Two variants: ``tool`` (the example's calculator, ``tools.py:calc``: Arbor's ``t
 argument), from the model SFT'd on ``sft.jsonl`` (run.sh's stage 1: calculator calls, and answers "in its
 head" it cannot compute, which RL learns to replace by calls); and ``plain`` (no tools), from the model
 SFT'd on ``sft_worked.jsonl`` (each step's arithmetic written out, ``8*7=56``, then ``Answer: N``), whose
-slips RL reduces. Both children save the model every ``--save-every`` seconds
-of their training clock (``TrainClock``: from the child's start, imports and set-up included, saves
-excluded); after each run Arbor's engine evaluates every saved model (then deleted), and the SFT
-model at t = 0, on the first ``--eval-rows`` held-out rows, greedily (the evaluator of ``arbor eval``,
-identical for both).
+slips RL reduces. Both children save the model every ``--save-every`` seconds of their training clock
+(``TrainClock``: from the child's start, imports and set-up included, saves excluded); after each run
+Arbor's engine evaluates every saved model (then deleted), and the SFT model at t = 0, on the first
+``--eval-rows`` held-out rows, greedily (the evaluator of ``arbor eval``, identical for both).
 
 Reported per variant: each system's final accuracy (median over seeds and the spread), and the time each
 run first reaches 90 % of the better system's median final accuracy (``time_to``); the ratio is
@@ -58,7 +57,8 @@ VARIANTS = ("plain", "tool")
 WANTED = {"plain": 0.5, "tool": 0.33}
 SFT_ARGS = ("train.steps=1500", "train.batch_tokens=4096", "train.log_every=250", "train.optim.lr=3e-3",
             "train.optim.min_lr_ratio=1.0", "train.checkpoint_every=0")     # examples/math-word-problems/run.sh
-SFT_DATA = {"plain": ("sft_worked.jsonl", []), "tool": ("sft.jsonl", [f"{EXAMPLE / 'tools.py'}:calc"])}
+CALC = f"{EXAMPLE / 'tools.py'}:calc"          # the example's calculator, as ``tools=[…]`` names it
+SFT_DATA = {"plain": ("sft_worked.jsonl", []), "tool": ("sft.jsonl", [CALC])}
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Settings:
 
 def arbor_overrides(s: Settings, variant: str, data: Path, model: Path, out: Path, seed: int, eval_rows: int) -> list[str]:
     """``arbor train`` keys of one run (as the example's run.sh writes them)."""
-    tools = json.dumps([f"{EXAMPLE / 'tools.py'}:calc"] if variant == "tool" else [])
+    tools = json.dumps([CALC] if variant == "tool" else [])
     return [f"model={model}", f"out={out}", f"data.train={data / 'train.jsonl'}", f"data.eval={data / 'test.jsonl'}",
             "data.prompt_key=question", 'reward.fns=["math"]', f"tools={tools}", f"seed={seed}",
             f"rollout.seed={seed}", "steps=100000", f"groups_per_step={s.groups_per_step}",
@@ -303,7 +303,7 @@ def arbor_cmd(s, v, data, sft, d, seed, eval_rows) -> list[str]:
 def trl_cmd(s, v, data, sft, d, seed, work) -> list[str]:
     cfg = work / f"trl_config_{v}.json"
     cfg.write_text(json.dumps(trl_config(s, v)))
-    tools = ["--tools", f"{EXAMPLE / 'tools.py'}:calc"] if v == "tool" else []
+    tools = ["--tools", CALC] if v == "tool" else []
     return [sys.executable, "-m", "arbor.bench.rl_trl", "e2e", "--model", str(sft), "--train", str(data / "train.jsonl"),
             "--config", str(cfg), "--seed", str(seed), *tools]
 
@@ -337,7 +337,8 @@ def add_arguments(p) -> None:
     p.add_argument("--save-every", type=float, default=3.0, help="seconds of training clock between saved models")
     p.add_argument("--seeds", type=int, default=3, help="runs per system and variant (seeds 0…n-1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every run and of the evaluation")
-    p.add_argument("--eval-rows", type=int, default=200, help="held-out rows each saved model is evaluated on (200: all)")
+    p.add_argument("--eval-rows", type=int, default=200,
+                   help="held-out rows each saved model is evaluated on (200: all)")
     p.add_argument("--variant", default="both", choices=["plain", "tool", "both"])
     p.add_argument("--trl", default="auto", choices=["auto", "off"], help="off: Arbor's curves only (no TRL, no ratio)")
 

@@ -150,7 +150,8 @@ def isa_label(m: dict) -> str:
 def machine_line(m: dict) -> str:
     usable = m.get("cores_usable")
     cores = f"{m.get('cores')} cores" + (f" ({usable} usable)" if usable not in (None, m.get("cores")) else "")
-    parts = [m.get("cpu", "?"), m.get("cpu_id"), m.get("arch"), cores, f"{m['memory_gib']} GiB" if m.get("memory_gib") else None]
+    parts = [m.get("cpu", "?"), m.get("cpu_id"), m.get("arch"), cores,
+             f"{m['memory_gib']} GiB" if m.get("memory_gib") else None]
     line = ", ".join(p for p in parts if p)
     if m.get("isa"):
         line += "; ISA " + " ".join(m["isa"])

@@ -43,7 +43,8 @@ def sdpa(q, k, v, scale, mask=None, causal=False):
             and not torch.is_inference_mode_enabled() and (q.shape[1] == k.shape[1] or not causal)
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 2))):
         return block_attention(q, k, v, scale, mask, causal)
-    if q.device.type == "cpu" and (dtype == torch.float16 or dtype == torch.bfloat16 and torch.is_inference_mode_enabled()):
+    upcast = dtype == torch.float16 or (dtype == torch.bfloat16 and torch.is_inference_mode_enabled())
+    if q.device.type == "cpu" and upcast:
         q, k, v = q.float(), k.float(), v.float()
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
