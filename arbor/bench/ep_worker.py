@@ -37,6 +37,7 @@ from arbor.models import VarlenAttention  # noqa: E402
 from arbor.models.expert_parallel import is_expert_param  # noqa: E402
 from arbor.models.random_init import random_moe_model  # noqa: E402
 from arbor.train.distributed import reduce_gradients  # noqa: E402
+from arbor.train.adamw import AdamW  # noqa: E402
 
 
 class CommTimer:
@@ -96,7 +97,7 @@ def run_train(spec: dict, ctx, model, timer: CommTimer, device) -> dict:
     labels, tokens, attn = labels.to(device), mine.reshape(-1).to(device), VarlenAttention.from_lengths([S] * n, device)
     global_labels = B * (S - 1)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)   # as make_optimizer (arbor train)
     parts = {"forward_backward": [], "grad_all_reduce": [], "optimizer": [], "step": [], "all_to_all": []}
     losses = []
     for r in range(spec["warmup"] + spec["repeats"]):

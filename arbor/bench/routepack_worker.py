@@ -38,6 +38,7 @@ from arbor.models import VarlenAttention  # noqa: E402
 from arbor.models.expert_migration import migrate_experts, placements_of  # noqa: E402
 from arbor.models.expert_parallel import ExpertPlacement, idle_forward  # noqa: E402
 from arbor.train.distributed import reduce_gradients  # noqa: E402
+from arbor.train.adamw import AdamW  # noqa: E402
 
 MARK = "ROUTEPACK_RESULT "
 
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> None:
     device = ctx.device
     model = random_moe_model(shape, ctx, device)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)   # as make_optimizer (arbor train)
+    opt = AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)   # as make_optimizer (arbor train)
     traces = load_traces(spec["traces"])
     tokens = [torch.randint(0, shape["vocab_size"], (t.shape[1],), generator=torch.Generator().manual_seed(1000 + i))
               for i, t in enumerate(traces)]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from arbor.train.adamw import AdamW
+
 
 @dataclass
 class OptimConfig:
@@ -39,19 +41,16 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; PyTorch's fused kernel (one pass over all parameters instead of a loop over tensors)
-    when every parameter is a floating tensor on one CPU or CUDA device. FSDP's sharded parameters
-    (DTensors) and plain ones (experts under EP) go in two parameter groups: one fused call each."""
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> AdamW:
+    """AdamW (``arbor.train.adamw``: PyTorch's fused kernel, one pass over a group's parameters) over the
+    parameters that require grad. FSDP's sharded parameters (DTensors) and plain ones (experts under EP)
+    go in two parameter groups."""
     from arbor.train.fsdp import is_sharded
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) \
-        and len({p.device for p in params}) == 1
     sharded = [p for p in params if is_sharded(p)]
     groups = params if len(sharded) in (0, len(params)) else \
         [{"params": sharded}, {"params": [p for p in params if not is_sharded(p)]}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                             fused=fused or None)
+    return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
 class NonFiniteError(ValueError):

@@ -76,7 +76,8 @@ def _migration_rank(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     ctx = init_distributed(DistConfig(ep_size=0, timeout_s=spec["timeout_s"]), spec["num_experts"])
     model = _rank_model(spec, ctx)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)   # as arbor train
+    from arbor.train.adamw import AdamW
+    opt = AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)   # as arbor train
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()                                                  # the moments exist, as in training
