@@ -122,6 +122,19 @@ def test_clock_leaves_saves_out(tmp_path):
     assert saves == clock.saves and saves[0]["step"] == 3 and Path(saves[0]["path"]).is_dir()
 
 
+def test_clock_saves_densely_then_sparsely(tmp_path):
+    """Saves every ``every_s`` until ``sparse_after_s``, then every ``sparse_every_s``: the next save after a
+    snapshot at t is the first grid point above t (a slow step skips the points it passed)."""
+    clock = TrainClock(tmp_path, seconds=100.0, every_s=1.0, start=0.0, sparse_after_s=3.0, sparse_every_s=5.0)
+    grid = []
+    for t in (1.2, 2.0, 2.5, 3.1, 8.4, 12.0):
+        clock.now = lambda t=t: t               # the clock read at each step end
+        if clock.due():
+            clock.snapshot(0, lambda path: None)
+            grid.append((t, clock.next_save))
+    assert grid == [(1.2, 2.0), (2.0, 3.0), (3.1, 8.0), (8.4, 13.0)]
+
+
 def test_reward_reads_the_last_assistant_message():
     convo = [{"role": "assistant", "content": "", "tool_calls": [{}]}, {"role": "tool", "content": "56"},
              {"role": "assistant", "content": "Answer: 56"}]

@@ -22,7 +22,8 @@ argument), from the model SFT'd on ``sft.jsonl`` (run.sh's stage 1: calculator c
 head" it cannot compute, which RL learns to replace by calls); and ``plain`` (no tools), from the model
 SFT'd on ``sft_worked.jsonl`` (each step's arithmetic written out, ``8*7=56``, then ``Answer: N``), whose
 slips RL reduces. Both children save the model every ``--save-every`` seconds of their training clock
-(``TrainClock``: from the child's start, imports and set-up included, saves excluded); after each run
+for the first ``--sparse-after`` seconds, where the curves rise and the threshold is crossed, then every
+``--sparse-every`` (``TrainClock``: from the child's start, imports and set-up included, saves excluded); after each run
 Arbor's engine evaluates every saved model (then deleted), and the SFT model at t = 0, on the first
 ``--eval-rows`` held-out rows, greedily (the evaluator of ``arbor eval``, identical for both).
 
@@ -222,8 +223,8 @@ class Evaluator:
         return metrics["test_accuracy"]
 
 
-def run(out_dir="benchmarks/results", seconds=120.0, save_every=3.0, seeds=(0, 1, 2), threads=2, eval_rows=200,
-        variants=VARIANTS, trl="auto", settings: Settings | None = None) -> dict:
+def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1, 2), threads=2, eval_rows=200,
+        variants=VARIANTS, trl="auto", settings: Settings | None = None, sparse_after=30.0, sparse_every=5.0) -> dict:
     import torch
     torch.set_num_threads(threads)
     s = settings or Settings()
@@ -232,7 +233,8 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=3.0, seeds=(0, 1
     from arbor.bench.rl_trl import ensure_trl
     trl_version = ensure_trl() if trl != "off" else None
     data, sfts = prepare(work, threads, variants)
-    result = {"config": {"settings": asdict(s), "seconds": seconds, "save_every_s": save_every, "seeds": list(seeds),
+    result = {"config": {"settings": asdict(s), "seconds": seconds, "save_every_s": save_every,
+                         "sparse_after_s": sparse_after, "sparse_every_s": sparse_every, "seeds": list(seeds),
                          "threads": threads, "eval_rows": eval_rows, "trl_version": trl_version,
                          "sft_model": {v: str(p) for v, p in sfts.items()}, "sft": list(SFT_ARGS),
                          "sft_data": {v: SFT_DATA[v][0] for v in variants},
@@ -252,6 +254,7 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=3.0, seeds=(0, 1
                 cmd = arbor_cmd(s, v, data, sft, d, seed, eval_rows) if system == "arbor" else \
                     trl_cmd(s, v, data, sft, d, seed, work)
                 r = child(cmd + ["--out", str(d), "--seconds", str(seconds), "--save-every", str(save_every),
+                                 "--sparse-after", str(sparse_after), "--sparse-every", str(sparse_every),
                                  "--threads", str(threads)], threads, timeout=seconds * 4 + 600)
                 r["curve"] = [(0.0, base)] + [(x["train_s"], ev.accuracy(x["path"])) for x in r["snapshots"]]
                 shutil.rmtree(d)            # the saved models (~3 MB each, ~40 a run) once evaluated
@@ -334,7 +337,10 @@ def plot(plt, result: dict):
 
 def add_arguments(p) -> None:
     p.add_argument("--seconds", type=float, default=120.0, help="training wall-clock per run")
-    p.add_argument("--save-every", type=float, default=3.0, help="seconds of training clock between saved models")
+    p.add_argument("--save-every", type=float, default=1.0,
+                   help="seconds of training clock between saved models, for the first --sparse-after seconds")
+    p.add_argument("--sparse-after", type=float, default=30.0, help="seconds of training clock after which …")
+    p.add_argument("--sparse-every", type=float, default=5.0, help="… models are saved every this many seconds")
     p.add_argument("--seeds", type=int, default=3, help="runs per system and variant (seeds 0…n-1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every run and of the evaluation")
     p.add_argument("--eval-rows", type=int, default=200,
@@ -344,10 +350,11 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> None:
-    for flag, v in (("--seconds", args.seconds), ("--save-every", args.save_every), ("--seeds", args.seeds),
+    for flag, v in (("--seconds", args.seconds), ("--save-every", args.save_every), ("--sparse-after", args.sparse_after),
+                    ("--sparse-every", args.sparse_every), ("--seeds", args.seeds),
                     ("--threads", args.threads), ("--eval-rows", args.eval_rows)):
         if v <= 0:
             raise SystemExit(f"{flag} must be > 0, got {v}")
     run(out_dir=args.out, seconds=args.seconds, save_every=args.save_every, seeds=tuple(range(args.seeds)),
         threads=args.threads, eval_rows=args.eval_rows, variants=VARIANTS if args.variant == "both" else (args.variant,),
-        trl=args.trl)
+        trl=args.trl, sparse_after=args.sparse_after, sparse_every=args.sparse_every)

@@ -4,7 +4,7 @@
 builds the trainer of ``arbor train`` from the RL config's ``KEY=VALUE`` overrides (``arbor.train.run.
 build_trainer``: model, colocated engine, task) and runs ``arbor train``'s loop (``arbor.train.loop.run_loop``)
 until the training clock passes ``S`` seconds. Every ``E`` seconds of that clock (checked after each
-step) and at the end the model is saved as an HF folder ``DIR/t{i}`` (``arbor.models.save_model``).
+step; every ``--sparse-every`` seconds after ``--sparse-after``) and at the end the model is saved as an HF folder ``DIR/t{i}`` (``arbor.models.save_model``).
 
 ``TrainClock`` is the clock of both systems (TRL's child, ``arbor.bench.rl_trl e2e``, uses it too):
 it starts when the child's ``main`` starts (imports, model load and trainer set-up count, as they
@@ -27,10 +27,14 @@ PHASES = ("rollout_s", "recompute_s", "train_s", "sync_s")     # a step's parts 
 
 
 class TrainClock:
-    """Elapsed seconds since ``start`` less the time spent in ``snapshot``; snapshots due every ``every_s``."""
+    """Elapsed seconds since ``start`` less the time spent in ``snapshot``; snapshots due every ``every_s``
+    until ``sparse_after_s``, then every ``sparse_every_s`` (dense where the curves rise, so the time to a
+    threshold is resolved to ``every_s`` there, without evaluating hundreds of models per run)."""
 
-    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None):
+    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None,
+                 sparse_after_s: float = float("inf"), sparse_every_s: float | None = None):
         self.out, self.seconds, self.every_s = Path(out), seconds, every_s
+        self.sparse_after_s, self.sparse_every_s = sparse_after_s, sparse_every_s or every_s
         self.start = time.perf_counter() if start is None else start
         self.paused = 0.0
         self.next_save = every_s
@@ -54,16 +58,27 @@ class TrainClock:
         self.saves.append({"step": step, "train_s": t, "path": str(path)})
         (self.out / "snapshots.json").write_text(json.dumps(self.saves, indent=1))
         while self.next_save <= t:
-            self.next_save += self.every_s
+            self.next_save += self.every_s if self.next_save < self.sparse_after_s else self.sparse_every_s
         self.paused += time.perf_counter() - t0
+
+
+def add_clock_arguments(p) -> None:
+    """The clock's flags, the same in both children (and ``arbor bench e2e``, which passes them on)."""
+    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--save-every", type=float, required=True)
+    p.add_argument("--sparse-after", type=float, default=float("inf"))
+    p.add_argument("--sparse-every", type=float, default=None)
+
+
+def clock_of(a, start: float) -> TrainClock:
+    return TrainClock(Path(a.out), a.seconds, a.save_every, start, a.sparse_after, a.sparse_every)
 
 
 def main(argv=None) -> None:
     start = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m arbor.bench.e2e_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--seconds", type=float, required=True)
-    p.add_argument("--save-every", type=float, required=True)
+    add_clock_arguments(p)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="RL config KEY=VALUE (as `arbor train` takes them)")
     a = p.parse_args(argv)
@@ -80,7 +95,7 @@ def main(argv=None) -> None:
 
     cfg = configs.load(RLConfig, None, a.overrides)
     cfg.validate()
-    clock = TrainClock(Path(a.out), a.seconds, a.save_every, start)
+    clock = clock_of(a, start)
     imports_s = clock.now()
     trainer = build_trainer(cfg)
     setup_s = clock.now()

@@ -127,6 +127,7 @@ def last_answer(completion) -> str:
 
 def e2e(argv) -> None:
     start = time.perf_counter()
+    from arbor.bench.e2e_worker import add_clock_arguments
     p = argparse.ArgumentParser(prog="python -m arbor.bench.rl_trl e2e")
     p.add_argument("--model", required=True)
     p.add_argument("--train", required=True, help="rows (.jsonl) with the prompt column and `answer`")
@@ -134,8 +135,7 @@ def e2e(argv) -> None:
     p.add_argument("--config", required=True, help="JSON of GRPOConfig keys (arbor.bench.e2e.trl_config)")
     p.add_argument("--tools", nargs="*", default=[], help="file.py:function, passed as tools=")
     p.add_argument("--out", required=True)
-    p.add_argument("--seconds", type=float, required=True)
-    p.add_argument("--save-every", type=float, required=True)
+    add_clock_arguments(p)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -146,11 +146,11 @@ def e2e(argv) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from arbor.bench.e2e_worker import TrainClock
+    from arbor.bench.e2e_worker import clock_of
     from arbor.data.objects import load_object
     from arbor.data.reward_builtins import builtin
 
-    clock = TrainClock(Path(a.out), a.seconds, a.save_every, start)
+    clock = clock_of(a, start)
     rows = [json.loads(x) for x in open(a.train) if x.strip()]
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": r[a.prompt_key]}] for r in rows],
                               "answer": [r["answer"] for r in rows]})
