@@ -124,3 +124,39 @@ def test_mixed_policy_puts_decodes_and_chunks_in_one_forward():
 def test_scheduler_rejects_unknown_policy():
     with pytest.raises(ValueError, match="policy"):
         Scheduler(BlockManager(4, 4), 4, 16, policy="fifo")
+
+
+@pytest.mark.parametrize("policy", ["mixed", "prefill-first"])
+def test_requests_with_one_prompt_compute_its_blocks_once(policy):
+    """Four separate requests with one 22-token prompt and one other prompt, queued together: the first
+    computes the prompt's 5 full blocks (block size 4; the last token is always computed), the other three
+    wait one step for them to be committed and hit them, while the other prompt is admitted beside the
+    first; greedy tokens equal those of an engine without prefix caching."""
+    prompt, other = [(3 * j + 1) % 64 for j in range(22)], [(5 * j + 2) % 64 for j in range(9)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine = tiny_engine(policy=policy, block_size=4)
+    for p in (prompt, prompt, other, prompt, prompt):
+        engine.add_request(p, params)
+    steps = run_steps(engine)
+    assert steps[0] == [(22, False), (9, False)]                   # the first of each prompt
+    assert sorted(n for n, decode in steps[1] + steps[2] if not decode) == [2, 2, 2]   # 22 − 5·4 each
+    outs = [engine.requests[r][0] for r in engine.requests]
+    assert [s.num_cached_tokens for s in outs] == [0, 20, 0, 20, 20]
+    plain = tiny_engine(policy=policy, block_size=4, enable_prefix_caching=False)
+    want = plain.generate([prompt, other], params)
+    assert [s.output_ids for s in outs] == [want[i].token_ids for i in (0, 0, 1, 0, 0)]
+
+
+def test_a_prompt_block_in_flight_is_waited_for_until_committed_or_released():
+    bm = BlockManager(16, 4)
+    a, b, c = seq(list(range(10))), seq(list(range(10))), seq(list(range(8)) + [60, 61])
+    bm.allocate(a)                                   # computing blocks [0..3] [4..7]
+    assert bm.waits_for_prefill(b) and bm.waits_for_prefill(c)
+    a.num_computed_tokens = 4
+    bm.commit(a)                                     # [0..3] committed: b and c hit it, [4..7] still in flight
+    assert bm.waits_for_prefill(b) and bm.waits_for_prefill(c)
+    bm.deallocate(a)                                 # preempted before [4..7]: nothing to wait for
+    assert not bm.waits_for_prefill(b) and not bm.prefilling
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4 and bm.waits_for_prefill(c)
+    assert not bm.waits_for_prefill(seq([9, 9, 9, 9, 9]))

@@ -10,7 +10,10 @@ Invariants:
 - at most ``(len(seq) − 1) // block_size`` blocks are taken from the cache, so the last
   token is always computed (its logits give the next token);
 - with ``states`` (models with linear-attention layers) a hit also needs the recurrent-state
-  snapshot after its last block (``StateCache``), so a hit ends at the last block that has one.
+  snapshot after its last block (``StateCache``), so a hit ends at the last block that has one;
+- ``prefilling`` maps the hash of every full prompt block an admitted sequence has yet to commit to
+  that sequence (entries leave on ``commit`` or ``deallocate``): the scheduler defers a waiting
+  sequence whose next uncached block is there (``waits_for_prefill``) rather than compute it twice.
 The interface (``can_allocate / allocate / can_append / append_slot / commit / deallocate``)
 is what the scheduler uses; a layer-wise or tiered KV manager plugs in behind it.
 """
@@ -36,6 +39,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self.prefilling: dict[int, Sequence] = {}   # chain hash of a full prompt block → a running sequence computing it
         self.num_hit_tokens = self.num_query_tokens = 0
 
     @property
@@ -99,6 +103,11 @@ class BlockManager:
             seq.block_hashes.append(h)
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free().block_id)
+        if self.enable_prefix_caching:
+            h, bs = hits[-1][0] if hits else -1, self.block_size
+            for i in range(len(hits), (len(seq) - 1) // bs):
+                h = self._chain_hash(h, seq.token_ids[i * bs:(i + 1) * bs])
+                self.prefilling.setdefault(h, seq)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.num_hit_tokens += seq.num_cached_tokens
         self.num_query_tokens += len(seq)
@@ -122,6 +131,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tokens
             self.hash_to_block.setdefault(h, block.block_id)
+            self.prefilling.pop(h, None)
             seq.block_hashes.append(h)
 
     def deallocate(self, seq: Sequence) -> None:
@@ -134,6 +144,20 @@ class BlockManager:
                 self.free[bid] = None
         seq.block_table, seq.block_hashes = [], []
         seq.num_computed_tokens = 0
+        if any(s is seq for s in self.prefilling.values()):
+            self.prefilling = {h: s for h, s in self.prefilling.items() if s is not seq}
+
+    def waits_for_prefill(self, seq: Sequence) -> bool:
+        """Whether waiting ``seq``'s first full prompt block that the cache does not hold is being computed
+        by a running sequence (``prefilling``): admitted now, it would compute that block a second time;
+        admitted once the block is committed, it hits it."""
+        if not self.prefilling:
+            return False
+        hits, bs = self._lookup(seq), self.block_size
+        i = len(hits)
+        if i >= (len(seq) - 1) // bs:
+            return False
+        return self._chain_hash(hits[-1][0] if hits else -1, seq.token_ids[i * bs:(i + 1) * bs]) in self.prefilling
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (after a weight update the cached KV and states are stale)."""

@@ -219,11 +219,7 @@ class LLMEngine:
         if not params.ignore_eos:
             stop |= set(self.model.config.stop_token_ids)
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        seqs, first = [], None
-        for j in range(params.n):
-            seq = Sequence(request_id, j, ids, params, frozenset(stop), max_tokens, parent=first)
-            first = first or seq
-            seqs.append(seq)
+        seqs = [Sequence(request_id, j, ids, params, frozenset(stop), max_tokens) for j in range(params.n)]
         with self.lock:
             for seq in seqs:
                 self.scheduler.add(seq)

@@ -78,7 +78,10 @@ class Scheduler:
 
     def schedule_prefills(self, batch: ScheduledBatch, budget: int, admit=None) -> int:
         """Continue running prefills, then admit waiting sequences, chunking to the budget;
-        ``admit(seq)`` False stops admissions (the SLO check of ``layerkv``)."""
+        ``admit(seq)`` False stops admissions (the SLO check of ``layerkv``). A waiting sequence whose
+        next uncached prompt block a running one is computing (``BlockManager.waits_for_prefill``: the
+        samples of one prompt, the same system prompt) keeps its place in the queue while later ones
+        are admitted: once that block is committed it is a prefix-cache hit instead of computed again."""
         for seq in self.running:
             if budget == 0:
                 return 0
@@ -86,11 +89,12 @@ class Scheduler:
                 n = self.chunk(seq, budget)
                 batch.append((seq, n))
                 budget -= n
+        deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            parent = seq.parent
-            if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens and not parent.is_finished:
-                break  # a sibling waits for its parent's prompt KV, then hits the prefix cache
+            if self.bm.waits_for_prefill(seq):      # its next prompt block is being computed: hit it later
+                deferred.append(self.waiting.popleft())
+                continue
             if not self.bm.can_allocate(seq) or (admit is not None and not admit(seq)):
                 break
             self.waiting.popleft()
@@ -100,6 +104,7 @@ class Scheduler:
             n = self.chunk(seq, budget)
             batch.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return budget
 
     def chunk(self, seq: Sequence, budget: int) -> int:

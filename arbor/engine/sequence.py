@@ -52,9 +52,9 @@ class Sequence:
     _ids = count()
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
-                 stop_ids: frozenset[int], max_tokens: int, parent: "Sequence | None" = None):
+                 stop_ids: frozenset[int], max_tokens: int):
         self.seq_id = next(Sequence._ids)
-        self.request_id, self.index, self.params, self.parent = request_id, index, params, parent
+        self.request_id, self.index, self.params = request_id, index, params
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.stop_ids, self.max_tokens = stop_ids, max_tokens
