@@ -12,9 +12,11 @@ import contextlib
 
 import torch
 
+from arbor.engine.decode_stack import DecodeStack
 from arbor.engine.kv.paged import KVCache, PagedAttention
 from arbor.engine.sequence import Sequence
 from arbor.engine.kv.state_cache import StateCache
+from arbor.models.causal_lm import ModelOutput
 
 
 class ModelRunner:
@@ -34,6 +36,7 @@ class ModelRunner:
         self.logit_noise, self.noise_dist, self.noise_frac = logit_noise, noise_dist, noise_frac
         self.noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.lock = contextlib.nullcontext()    # the engine's lock: state slots and the noise generator
+        self.decode_stack = DecodeStack.for_model(model, self.kv, self.layer_map)   # decode steps in one C call
 
     def make_cache(self, num_blocks: int) -> KVCache:
         """The paged KV pool (``LayerKVRunner``: the host tier)."""
@@ -80,11 +83,17 @@ class ModelRunner:
                 self._take_state_slots(seqs)
             slots = torch.tensor([s.state_slot for s in seqs], device=dev)
             states = self.states.gather(slots, len(self.model.model.layers))
-        for done, out in self.model.forward_segments(
-                torch.tensor(ids, device=dev), attn, layers_per_segment or len(self.model.model.layers),
-                positions=torch.tensor(positions, device=dev), states=states, return_routing=return_routing):
-            if out is None:
-                yield done, None
+        num_layers = len(self.model.model.layers)
+        if (self.decode_stack is not None and states is None and not return_routing
+                and (layers_per_segment or num_layers) >= num_layers and self.decode_stack.serves(attn, len(ids))):
+            done, out = num_layers, ModelOutput(self.decode_stack.run(torch.tensor(ids), torch.tensor(positions), attn),
+                                                None, None)
+        else:
+            for done, out in self.model.forward_segments(
+                    torch.tensor(ids, device=dev), attn, layers_per_segment or num_layers,
+                    positions=torch.tensor(positions, device=dev), states=states, return_routing=return_routing):
+                if out is None:
+                    yield done, None
         if self.states:
             self.states.scatter(slots, out.states)
         ends = attn.cu_seqlens[1:].tolist()

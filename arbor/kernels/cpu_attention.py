@@ -62,7 +62,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, block_siz
         q = q.contiguous()
     out = torch.empty(T, H, D, dtype=q.dtype) if out is None else out
     c = chunks.shape[1]
-    with torch.profiler.record_function("arbor::paged_prefill_attention"):
+    with native.profiled("arbor::paged_prefill_attention"):
         load_prefill_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                               int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
                               chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[2].data_ptr(), c, H,
@@ -84,7 +84,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, bloc
     if q.stride(2) != 1 or q.stride(1) != D:   # rows may be spaced (views of a wider tensor), heads not
         q = q.contiguous()
     out = torch.empty(B, H, D, dtype=q.dtype) if out is None else out
-    with torch.profiler.record_function("arbor::paged_decode_attention"):   # visible to torch.profiler
+    with native.profiled("arbor::paged_decode_attention"):   # visible to torch.profiler
         load_kernel()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                       int(q.dtype == torch.bfloat16), block_tables.data_ptr(), block_tables.shape[1],
                       context_lens.data_ptr(), B, H, k_cache.shape[1], D, block_size, scale, thread_budget())

@@ -57,7 +57,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     ids = ids.to(torch.int64).contiguous()
     w = weights.to(torch.float32).contiguous()
     y = torch.empty(t, d, dtype=torch.bfloat16)
-    with torch.profiler.record_function("arbor::moe_experts_bf16"):
+    with native.profiled("arbor::moe_experts_bf16"):
         bad = load_kernel().moe_experts_bf16(x.data_ptr(), t, ids.data_ptr(), w.data_ptr(), ids.shape[1],
                                              gate_up.data_ptr(), down.data_ptr(), e, d, i, y.data_ptr(),
                                              thread_budget())
@@ -77,7 +77,7 @@ def route_and_run(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk_p
     probs = torch.empty(t, e, dtype=torch.float32)
     ids = torch.empty(t, top_k, dtype=torch.int64)
     y = torch.empty(t, d, dtype=torch.bfloat16)
-    with torch.profiler.record_function("arbor::moe_experts_bf16"):
+    with native.profiled("arbor::moe_experts_bf16"):
         load_kernel().moe_route_experts_bf16(x.data_ptr(), logits.data_ptr(), t, top_k, int(norm_topk_prob),
                                              probs.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
                                              e, d, i, y.data_ptr(), thread_budget())
