@@ -317,6 +317,9 @@ def pack_linears(model: nn.Module, fp32: bool = False, few_rows: bool = True) ->
 
 
 def repack(model: nn.Module) -> None:
+    """Refresh every packed copy from the parameters; ``model.packed_generation`` counts the refreshes
+    (holders of packed tensors' addresses, ``decode_stack``, re-read them when it moves)."""
+    model.packed_generation = getattr(model, "packed_generation", 0) + 1
     for m in model.modules():
         if isinstance(m, (PackedLinear, PackedExperts)):
             m.repack()

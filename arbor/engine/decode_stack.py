@@ -63,6 +63,7 @@ class DecodeStack:
         self.dims = [cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.rotary_dim,
                      model.model.layers[0].mlp.down_proj.in_features, kv.block_size, 0, int(not f32), len(layer_map), 0]
         self.eps, self.scale = model.model.norm.eps, attn.scale
+        self._pointers = None       # (model.packed_generation, the layers' pointer table)
 
     @classmethod
     def for_model(cls, model, kv: KVCache, layer_map: dict[int, int]) -> "DecodeStack | None":
@@ -97,8 +98,11 @@ class DecodeStack:
                 and 0 < rows <= cpu_small_linear.MAX_ROWS)
 
     def _layer_pointers(self) -> torch.Tensor:
-        """Each layer's weights and KV, in ``decode_stack.c``'s order; read per call, since ``repack``
-        replaces the packed weights after a weight update."""
+        """Each layer's weights and KV, in ``decode_stack.c``'s order; read again after each ``repack``
+        (a weight update), which replaces the packed weights."""
+        generation = getattr(self.model, "packed_generation", 0)
+        if self._pointers is not None and self._pointers[0] == generation:
+            return self._pointers[1]
         rows = []
         for i, layer in enumerate(self.model.model.layers):
             a, m, c = layer.self_attn, layer.mlp, self.layer_map[i]
@@ -107,7 +111,8 @@ class DecodeStack:
                      _ptr(a.o_proj.small_weight), _ptr(a.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
                      _ptr(m.fused_gate_up.small), _ptr(m.fused_gate_up.bias), _ptr(m.down_proj.small_weight),
                      _ptr(m.down_proj.bias)]
-        return torch.tensor(rows, dtype=torch.int64)
+        self._pointers = generation, torch.tensor(rows, dtype=torch.int64)
+        return self._pointers[1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         """→ the final-norm hidden states [T, hidden] of ``CausalLM.forward``, for a step ``serves`` accepts."""
