@@ -224,7 +224,7 @@ class Evaluator:
 
 
 def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1, 2), threads=2, eval_rows=200,
-        variants=VARIANTS, trl="auto", settings: Settings | None = None, sparse_after=30.0, sparse_every=5.0) -> dict:
+        variants=VARIANTS, trl="auto", settings: Settings | None = None, sparse_after=60.0, sparse_every=5.0) -> dict:
     import torch
     torch.set_num_threads(threads)
     s = settings or Settings()
@@ -339,7 +339,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seconds", type=float, default=120.0, help="training wall-clock per run")
     p.add_argument("--save-every", type=float, default=1.0,
                    help="seconds of training clock between saved models, for the first --sparse-after seconds")
-    p.add_argument("--sparse-after", type=float, default=30.0, help="seconds of training clock after which …")
+    p.add_argument("--sparse-after", type=float, default=60.0, help="seconds of training clock after which …")
     p.add_argument("--sparse-every", type=float, default=5.0, help="… models are saved every this many seconds")
     p.add_argument("--seeds", type=int, default=3, help="runs per system and variant (seeds 0…n-1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every run and of the evaluation")
