@@ -101,7 +101,7 @@ MARKS = {
         "test_diffusion_train.py", "test_diffusion_decode.py", "test_server.py", "test_dist.py",
         "test_cli_determinism.py", "test_routepack_migration.py", "test_bench_rl.py", "test_agent_rollout.py",
         "test_engine_moe_paths.py", "test_moe_kernel_large_activations.py", "test_small_linear.py", "test_fp32_gemm.py",
-        "test_block_attention.py"],
+        "test_block_attention.py", "test_decode_stack.py"],
 }
 SLOW = ("multiprocess", "ray", "server_load", "bench")
 

@@ -1,4 +1,4 @@
-"""The fused CPU ops (RMSNorm, q/k-norm + RoPE, SwiGLU's silu · mul) equal the PyTorch expressions
+"""The fused CPU ops (RMSNorm, q/k-norm + RoPE, RoPE alone, SwiGLU's silu · mul) equal the PyTorch expressions
 they replace, serve only inference-mode forwards (bfloat16, and float32 on a copy the engine owns),
 and leave the engine's tokens unchanged."""
 
@@ -76,6 +76,27 @@ def test_qk_norm_rope_matches_pytorch(rotary_dim, dtype):
                        sin.double()).split((4, 2), 1)                    # the same inputs, in float64
     for g, r, e in zip(got, ref, exact):
         assert_matches(g, r, e)
+
+
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_rope_matches_pytorch(rotary_dim, dtype):
+    """RoPE alone (models without q/k norm): bfloat16 bit for bit (products and one sum, each rounded
+    where PyTorch's ops round); float32 within 10× PyTorch's own error of the float64 value."""
+    torch.manual_seed(2)
+    T = 300
+    qkv = torch.randn(T, 64 * 8).to(dtype)
+    q, k = qkv[:, :256].view(T, 4, 64), qkv[:, 256:384].view(T, 2, 64)
+    cos, sin = Rotary(rotary_dim, 1e4)(torch.randint(0, 4000, (T,)), dtype)
+    with torch.inference_mode():
+        got = cpu_ops.rope(q, k, cos, sin)
+    ref = apply_rope(torch.cat((q, k), 1), cos, sin).split((4, 2), 1)
+    exact = apply_rope(torch.cat((q, k), 1).double(), cos.double(), sin.double()).split((4, 2), 1)
+    for g, r, e in zip(got, ref, exact):
+        if dtype == BF:
+            assert torch.equal(g, r)
+        else:
+            assert_matches(g, r, e)
 
 
 @pytest.mark.parametrize("dtype", [BF, torch.float32])

@@ -35,11 +35,13 @@ def checked(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_decode_steps_equal_the_module_path_bit_for_bit(dtype, bias, monkeypatch):
+@pytest.mark.parametrize("family,changes", [("qwen3", {}), ("qwen3", dict(attention_bias=True)), ("qwen2", {}),
+                                            ("llama", {})])
+def test_decode_steps_equal_the_module_path_bit_for_bit(dtype, family, changes, monkeypatch):
     """Ragged contexts across block boundaries (prompts of 3–40 tokens, 24 new), sampled, then again after
-    ``update_weights`` (the stack reads the re-packed weights)."""
-    model = tiny_model("qwen3", attention_bias=bias)      # q/k/v and o biases (Qwen3 has no MLP bias)
+    ``update_weights`` (the stack reads the re-packed weights). Qwen3 with q/k norms (and q/k/v/o biases);
+    Qwen2 (q/k/v biases) and Llama (biases in every linear, Llama 3 RoPE scaling) rotate without a norm."""
+    model = tiny_model(family, **changes)
     eng = engine(model, dtype)
     flags = checked(monkeypatch)
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
@@ -69,10 +71,8 @@ def test_prefill_and_mixed_steps_take_the_module_path(monkeypatch):
     assert len(flags) == sum(ok for *_, ok in served) and all(flags)
 
 
-@pytest.mark.parametrize("family,changes", [("llama", {}), ("qwen3", dict(num_experts=4, num_experts_per_tok=2,
-                                                                          moe_intermediate_size=16))])
-def test_models_it_does_not_serve(family, changes):
-    """No q/k norm (Llama), MoE layers: the module path; a shared (not engine-owned) model as well."""
-    model = tiny_model(family, **changes)
+def test_models_it_does_not_serve():
+    """MoE layers: the module path; a shared (not engine-owned) model as well."""
+    model = tiny_model("qwen3", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     assert LLMEngine(model, EngineConfig(num_blocks=64, share_weights=False)).runner.decode_stack is None
     assert LLMEngine(tiny_model("qwen3"), EngineConfig(num_blocks=64)).runner.decode_stack is None

@@ -75,7 +75,9 @@ def test_engine_decode_steps_take_the_kernel_and_decode_like_the_plain_path(dtyp
     real = cpu_small_linear.linear
     monkeypatch.setattr(cpu_small_linear, "linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a))
     prompts = PROMPTS + [list(range(1, 61))]        # a prefill step of more than MAX_ROWS rows
-    with_kernel = greedy(LLMEngine(model, cfg), prompts)
+    eng = LLMEngine(model, cfg)
+    eng.runner.decode_stack = None      # the module path, whose linears are counted (decode_stack: one C call)
+    with_kernel = greedy(eng, prompts)
     assert rows and max(rows) <= cpu_small_linear.MAX_ROWS
     assert len(rows) >= 9 * 6        # 9 decode steps × (qkv, o, gate_up, down per layer …, lm_head)
     rows.clear()

@@ -1,4 +1,5 @@
-"""A decode step of a dense Qwen3-style model in one C call (``arbor/kernels/decode_stack.c``).
+"""A decode step of a dense model (Qwen3, Llama, Qwen2, Mistral layers) in one C call
+(``arbor/kernels/decode_stack.c``).
 
 A small model's decode step on CPU is mostly Python: ~60 module calls and kernel launches of a few µs
 each (about 1 ms a step at hidden 128, 4 layers, one sequence), far more than its arithmetic. The engine's
@@ -7,7 +8,8 @@ packed copy already runs each op as a C function (``cpu_ops``, ``cpu_small_linea
 them in the modules' order, so the hidden states are the module path's bit for bit.
 
 It serves a step when (``for_model`` / ``serves``): the model is the engine's packed CPU copy (float32 or
-bfloat16) whose every layer is softmax attention with q/k-norm (Qwen3; not gated) and a dense SwiGLU MLP,
+bfloat16) whose every layer is softmax attention (with q/k-norm as Qwen3, or without as Llama, Qwen2,
+Mistral; not gated) and a dense SwiGLU MLP,
 every linear has the few-row kernel's weights (``cpu_linear.small_linear_serves``), and the step is
 decodes only (≤ ``cpu_small_linear.MAX_ROWS``, the paged decode kernel's metadata). Anything else takes
 ``CausalLM.forward_segments``. ``ARBOR_CPU_KERNELS=0`` turns it off with the other kernels.
@@ -57,7 +59,7 @@ class DecodeStack:
         ops, small = cpu_ops._lib(), cpu_small_linear.load_kernel()
         fns = [ops.rms_norm_f32 if f32 else ops.rms_norm, small.small_linear_f32 if f32 else small.small_linear_bf16,
                ops.qk_norm_rope_f32 if f32 else ops.qk_norm_rope, cpu_attention.load_kernel(),
-               ops.silu_mul_f32 if f32 else ops.silu_mul]
+               ops.silu_mul_f32 if f32 else ops.silu_mul, ops.rope_f32 if f32 else ops.rope]
         self.fns = torch.tensor([_address(f) for f in fns], dtype=torch.int64)
         attn = model.model.layers[0].self_attn
         self.dims = [cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.rotary_dim,
@@ -77,7 +79,7 @@ class DecodeStack:
             a, m = getattr(layer, "self_attn", None), layer.mlp
             if layer.is_linear or layer.is_moe or type(a) is not SoftmaxAttention or type(m) is not MLP:
                 return None
-            if a.gated or a.q_norm is None or not (a.engine_owned and m.engine_owned):
+            if a.gated or not (a.engine_owned and m.engine_owned):
                 return None
             fused = (a.fused_qkv, m.fused_gate_up)
             if not all(isinstance(f, FusedLinear) and f.small is not None for f in fused):
@@ -85,7 +87,7 @@ class DecodeStack:
             if not all(isinstance(p, PackedLinear) and p.small_weight is not None for p in (a.o_proj, m.down_proj)):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm)
-            if any(n.zero_centred or not n.engine_owned or n.eps != eps for n in norms):
+            if any(n is not None and (n.zero_centred or not n.engine_owned or n.eps != eps) for n in norms):
                 return None
         if model.model.norm.zero_centred or not model.model.norm.engine_owned or not model.rotary.cached:
             return None
@@ -107,7 +109,7 @@ class DecodeStack:
         for i, layer in enumerate(self.model.model.layers):
             a, m, c = layer.self_attn, layer.mlp, self.layer_map[i]
             rows += [_ptr(layer.input_layernorm.weight), _ptr(a.fused_qkv.small), _ptr(a.fused_qkv.bias),
-                     _ptr(a.q_norm.weight), _ptr(a.k_norm.weight), _ptr(self.kv.k[c]), _ptr(self.kv.v[c]),
+                     _ptr(a.q_norm and a.q_norm.weight), _ptr(a.k_norm and a.k_norm.weight), _ptr(self.kv.k[c]), _ptr(self.kv.v[c]),
                      _ptr(a.o_proj.small_weight), _ptr(a.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
                      _ptr(m.fused_gate_up.small), _ptr(m.fused_gate_up.bias), _ptr(m.down_proj.small_weight),
                      _ptr(m.down_proj.bias)]

@@ -6,6 +6,7 @@
    qk_norm_rope:  per head of q (weight wq) and k (weight wk): y = rms_norm(x), then the first R
                   channels rotate:  y' = bf16(bf16(y · cos) + bf16(rotate_half(y) · sin)),
                   rotate_half(y) = (−y[R/2:R], y[:R/2]); channels ≥ R pass.
+   rope:          qk_norm_rope without the norm (models without q/k norm: Llama, Qwen2, Mistral).
    silu_mul:      y = bf16(bf16(silu(g)) · u),  silu(g) = g / (1 + e^−g)   (SwiGLU's product)
    Every product and sum rounds to bfloat16 where PyTorch's bfloat16 ops round. Loaded by
    arbor/kernels/cpu_ops.py. */
@@ -57,6 +58,18 @@ void qk_norm_rope(const bf16 *q, long q_stride, const bf16 *k, long k_stride, co
             rope_row(y, c, s, D, R, out + (t * (Hq + Hk) + j) * D);
         }
     }
+}
+
+/* qk_norm_rope's layout, RoPE only: out [T, Hq + Hk, D] = rotated q heads, then rotated k heads. */
+void rope(const bf16 *q, long q_stride, const bf16 *k, long k_stride, const bf16 *cos, const bf16 *sin, bf16 *out,
+          long T, int Hq, int Hk, int D, int R) {
+    float y[D];
+    for (long t = 0; t < T; t++)
+        for (int j = 0; j < Hq + Hk; j++) {
+            const bf16 *x = j < Hq ? q + t * q_stride + (long)j * D : k + t * k_stride + (long)(j - Hq) * D;
+            for (int i = 0; i < D; i++) y[i] = f(x[i]);
+            rope_row(y, cos + t * R, sin + t * R, D, R, out + (t * (Hq + Hk) + j) * D);
+        }
 }
 
 /* e^x for x in float32 within ~1 ulp (Cephes' expf: x = n·ln2 + r, |r| ≤ ln2/2, a degree-7 polynomial
@@ -121,6 +134,23 @@ void qk_norm_rope_f32(const float *q, long q_stride, const float *k, long k_stri
             for (int i = R; i < D; i++) o[i] = y[i];
         }
     }
+}
+
+static inline void rope_row_f32(const float *y, const float *c, const float *s, int D, int R, float *o) {
+    const int h = R / 2;
+    #pragma omp simd
+    for (int i = 0; i < h; i++) o[i] = y[i] * c[i] - y[i + h] * s[i];
+    #pragma omp simd
+    for (int i = h; i < R; i++) o[i] = y[i] * c[i] + y[i - h] * s[i];
+    for (int i = R; i < D; i++) o[i] = y[i];
+}
+
+void rope_f32(const float *q, long q_stride, const float *k, long k_stride, const float *cos, const float *sin,
+              float *out, long T, int Hq, int Hk, int D, int R) {
+    for (long t = 0; t < T; t++)
+        for (int j = 0; j < Hq + Hk; j++)
+            rope_row_f32(j < Hq ? q + t * q_stride + (long)j * D : k + t * k_stride + (long)(j - Hq) * D,
+                         cos + t * R, sin + t * R, D, R, out + (t * (Hq + Hk) + j) * D);
 }
 
 void silu_mul_f32(const float *restrict g, long g_stride, const float *restrict u, long u_stride, float *restrict out,

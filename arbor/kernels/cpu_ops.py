@@ -1,4 +1,4 @@
-"""Fused CPU versions of RMSNorm, of q/k-norm + RoPE and of SwiGLU's ``silu(g) · u``
+"""Fused CPU versions of RMSNorm, of q/k-norm + RoPE (and RoPE alone) and of SwiGLU's ``silu(g) · u``
 (``cpu_ops.c``) for the engine.
 
 They run only under ``torch.inference_mode()`` (the engine's forwards) on CPU tensors, where
@@ -31,8 +31,10 @@ def _lib():
     lib.rms_norm.argtypes = lib.rms_norm_f32.argtypes = [p, i64, p, p, i64, i32, f32]
     lib.qk_norm_rope.argtypes = lib.qk_norm_rope_f32.argtypes = [p, i64, p, i64, p, p, p, p, p, i64, i32, i32,
                                                                  i32, i32, f32]
+    lib.rope.argtypes = lib.rope_f32.argtypes = [p, i64, p, i64, p, p, p, i64, i32, i32, i32, i32]
     lib.silu_mul.argtypes = lib.silu_mul_f32.argtypes = [p, i64, p, i64, p, i64, i32]
-    for fn in (lib.rms_norm, lib.rms_norm_f32, lib.qk_norm_rope, lib.qk_norm_rope_f32, lib.silu_mul, lib.silu_mul_f32):
+    for fn in (lib.rms_norm, lib.rms_norm_f32, lib.qk_norm_rope, lib.qk_norm_rope_f32, lib.rope, lib.rope_f32,
+               lib.silu_mul, lib.silu_mul_f32):
         fn.restype = None
     return lib
 
@@ -75,6 +77,23 @@ def qk_norm_rope(q, k, wq, wk, cos, sin, eps: float):
     fn = _lib().qk_norm_rope_f32 if q.dtype == torch.float32 else _lib().qk_norm_rope
     fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), wq.contiguous().data_ptr(), wk.contiguous().data_ptr(),
        cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, hq, hk, d, cos.shape[-1], eps)
+    return out.split((hq, hk), 1)
+
+
+def rope(q, k, cos, sin):
+    """``qk_norm_rope`` without the norm (models without q/k norm): (q, k) rotated, views of one
+    [T, Hq + Hk, D]; in bfloat16 equal to ``apply_rope`` bit for bit (no sums)."""
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    if k.stride(2) != 1 or k.stride(1) != d:
+        k = k.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(T, hq + hk, d, dtype=q.dtype)
+    (_lib().rope_f32 if q.dtype == torch.float32 else _lib().rope)(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, hq,
+        hk, d, cos.shape[-1])
     return out.split((hq, hk), 1)
 
 

@@ -1,13 +1,13 @@
 /* A whole decode step of a dense softmax-attention model (Qwen3's layer: q/k RMSNorm per head, RoPE, GQA,
-   SwiGLU) in one call from Python: the layers' ops in the order the PyTorch modules run them, each by the
+   SwiGLU; or Llama's, Qwen2's, Mistral's: no q/k norm) in one call from Python: the layers' ops in the order the PyTorch modules run them, each by the
    same C function the module would call (function pointers passed in: cpu_ops.c's rms_norm / qk_norm_rope /
-   silu_mul, small_linear.c's few-row linear, paged_decode.c's attention), so the hidden states equal the
+   rope / silu_mul, small_linear.c's few-row linear, paged_decode.c's attention), so the hidden states equal the
    module path's bit for bit. What is left between those calls is exact: KV rows copied into their slots and
    the residual adds (float32, or bfloat16 = round-to-nearest-even of the float32 sum, as PyTorch's add).
 
    Per layer l, rows t < T (one query token each):
        h = rms_norm(x, in_norm);  [q | k | v] = h Wqkvᵀ + b
-       q, k = rope(rms_norm_head(q, q_norm)), rope(rms_norm_head(k, k_norm));  K[slot_t], V[slot_t] = k, v
+       q, k = rope(rms_norm_head(q, q_norm)), rope(rms_norm_head(k, k_norm))  (no norm without q/k norms);  K[slot_t], V[slot_t] = k, v
        x = x + (attn(q; K, V) Woᵀ + b);  h = rms_norm(x, post_norm)
        x = x + (silu(h Wgᵀ) · (h Wuᵀ)) Wdᵀ + b
    out = rms_norm(x, final_norm). Built by arbor/kernels/native.py, loaded by arbor/engine/decode_stack.py. */
@@ -23,10 +23,13 @@ typedef void (*attn_fn)(const void *q, long q_stride, const void *k_cache, const
                         const int32_t *tables, int width, const int32_t *ctx, int B, int H, int Hkv, int D, int bs,
                         float scale, int threads);
 typedef void (*silu_fn)(const void *g, long g_stride, const void *u, long u_stride, void *out, long rows, int I);
+typedef void (*rope_fn)(const void *q, long q_stride, const void *k, long k_stride, const void *cos, const void *sin,
+                        void *out, long T, int hq, int hk, int D, int R);
 
 /* The functions, in this order in `fns`. */
-enum { RMS_NORM, LINEAR, QK_NORM_ROPE, ATTENTION, SILU_MUL, NUM_FNS };
-/* Per layer, in this order in `layers` (one row of LAYER_PTRS pointers per layer; biases may be 0). */
+enum { RMS_NORM, LINEAR, QK_NORM_ROPE, ATTENTION, SILU_MUL, ROPE, NUM_FNS };
+/* Per layer, in this order in `layers` (one row of LAYER_PTRS pointers per layer; biases may be 0, and the
+   q/k norms: a model without them, Llama, Qwen2, Mistral, is rotated by ROPE alone). */
 enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, K_CACHE, V_CACHE, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS,
        DOWN, DOWN_BIAS, LAYER_PTRS };
 
@@ -57,6 +60,7 @@ int decode_stack(const int64_t *fns, const int64_t *layers, const void *final_no
     const qk_fn qk = (qk_fn)fns[QK_NORM_ROPE];
     const attn_fn attn = (attn_fn)fns[ATTENTION];
     const silu_fn silu = (silu_fn)fns[SILU_MUL];
+    const rope_fn rope = (rope_fn)fns[ROPE];
     const long es = bf16 ? 2 : 4, nqkv = (long)(hq + 2 * hk) * D, wide = nqkv > 2L * I ? nqkv : 2L * I;
     char *h = malloc((size_t)T * H * es), *big = malloc((size_t)T * wide * es);
     const long narrow = (long)hq * D > I ? (long)hq * D : I;     /* the attention's output, then silu · up */
@@ -67,8 +71,11 @@ int decode_stack(const int64_t *fns, const int64_t *layers, const void *final_no
         char *kc = (char *)p[K_CACHE], *vc = (char *)p[V_CACHE];
         norm(x, H, (void *)p[IN_NORM], h, T, H, eps);
         bad |= linear(h, T, H, (void *)p[QKV], (void *)p[QKV_BIAS], (int)nqkv, big, nt);
-        qk(big, nqkv, big + (long)hq * D * es, nqkv, (void *)p[Q_NORM], (void *)p[K_NORM], cos, sin, qk_out, T, hq, hk,
-           D, R, eps);
+        if (p[Q_NORM])
+            qk(big, nqkv, big + (long)hq * D * es, nqkv, (void *)p[Q_NORM], (void *)p[K_NORM], cos, sin, qk_out, T, hq,
+               hk, D, R, eps);
+        else
+            rope(big, nqkv, big + (long)hq * D * es, nqkv, cos, sin, qk_out, T, hq, hk, D, R);
         for (int t = 0; t < T; t++) {
             memcpy(kc + slots[t] * hk * D * es, qk_out + ((long)t * (hq + hk) + hq) * D * es, (size_t)hk * D * es);
             memcpy(vc + slots[t] * hk * D * es, big + ((long)t * nqkv + (long)(hq + hk) * D) * es, (size_t)hk * D * es);

@@ -191,6 +191,8 @@ class SoftmaxAttention(nn.Module):
         the heads of both."""
         hq, hk, d = q.shape[1], k.shape[1], self.head_dim
         if self.q_norm is None:
+            if q.dtype == cos.dtype and cpu_ops.use(q, self.engine_owned):
+                return cpu_ops.rope(q, k, cos, sin)
             return apply_rope(torch.cat((q, k), 1), cos, sin).split((hq, hk), 1)
         wq, wk = self.q_norm.weight, self.k_norm.weight
         if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q, self.engine_owned):
