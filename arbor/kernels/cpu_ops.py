@@ -66,23 +66,17 @@ def qk_norm_rope(q, k, wq, wk, cos, sin, eps: float):
     """q [T, Hq, D], k [T, Hk, D] (heads contiguous, tokens may be strided), per-head norm weights
     wq, wk [D], cos/sin [T, R] → (q, k) normed then rotated, views of one [T, Hq + Hk, D];
     bfloat16 or float32, every tensor of one dtype."""
-    T, hq, d = q.shape
-    hk = k.shape[1]
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
-    if k.stride(2) != 1 or k.stride(1) != d:
-        k = k.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty(T, hq + hk, d, dtype=q.dtype)
-    fn = _lib().qk_norm_rope_f32 if q.dtype == torch.float32 else _lib().qk_norm_rope
-    fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), wq.contiguous().data_ptr(), wk.contiguous().data_ptr(),
-       cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, hq, hk, d, cos.shape[-1], eps)
-    return out.split((hq, hk), 1)
+    return _rotate(q, k, cos, sin, (wq, wk, eps))
 
 
 def rope(q, k, cos, sin):
     """``qk_norm_rope`` without the norm (models without q/k norm): (q, k) rotated, views of one
     [T, Hq + Hk, D]; in bfloat16 equal to ``apply_rope`` bit for bit (no sums)."""
+    return _rotate(q, k, cos, sin, None)
+
+
+def _rotate(q, k, cos, sin, norm):
+    """The C op of ``qk_norm_rope`` (``norm`` = (wq, wk, eps)) or of ``rope`` (``norm`` None)."""
     T, hq, d = q.shape
     hk = k.shape[1]
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -91,9 +85,15 @@ def rope(q, k, cos, sin):
         k = k.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(T, hq + hk, d, dtype=q.dtype)
-    (_lib().rope_f32 if q.dtype == torch.float32 else _lib().rope)(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, hq,
-        hk, d, cos.shape[-1])
+    lib, f32 = _lib(), q.dtype == torch.float32
+    heads = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0))
+    tail = (out.data_ptr(), T, hq, hk, d, cos.shape[-1])
+    if norm is None:
+        (lib.rope_f32 if f32 else lib.rope)(*heads, cos.data_ptr(), sin.data_ptr(), *tail)
+    else:
+        wq, wk, eps = norm
+        (lib.qk_norm_rope_f32 if f32 else lib.qk_norm_rope)(
+            *heads, wq.contiguous().data_ptr(), wk.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr(), *tail, eps)
     return out.split((hq, hk), 1)
 
 
