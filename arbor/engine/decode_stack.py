@@ -62,8 +62,8 @@ class DecodeStack:
                ops.silu_mul_f32 if f32 else ops.silu_mul, ops.rope_f32 if f32 else ops.rope]
         self.fns = torch.tensor([_address(f) for f in fns], dtype=torch.int64)
         attn = model.model.layers[0].self_attn
-        self.dims = [cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.rotary_dim,
-                     model.model.layers[0].mlp.down_proj.in_features, kv.block_size, 0, int(not f32), len(layer_map), 0]
+        self.dims = (cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.rotary_dim,   # the model's
+                     model.model.layers[0].mlp.down_proj.in_features, kv.block_size, int(not f32), len(layer_map))
         self.eps, self.scale = model.model.norm.eps, attn.scale
         self._pointers = None       # (model.packed_generation, the layers' pointer table)
 
@@ -109,7 +109,8 @@ class DecodeStack:
         for i, layer in enumerate(self.model.model.layers):
             a, m, c = layer.self_attn, layer.mlp, self.layer_map[i]
             rows += [_ptr(layer.input_layernorm.weight), _ptr(a.fused_qkv.small), _ptr(a.fused_qkv.bias),
-                     _ptr(a.q_norm and a.q_norm.weight), _ptr(a.k_norm and a.k_norm.weight), _ptr(self.kv.k[c]), _ptr(self.kv.v[c]),
+                     _ptr(a.q_norm and a.q_norm.weight), _ptr(a.k_norm and a.k_norm.weight), _ptr(self.kv.k[c]),
+                     _ptr(self.kv.v[c]),
                      _ptr(a.o_proj.small_weight), _ptr(a.o_proj.bias), _ptr(layer.post_attention_layernorm.weight),
                      _ptr(m.fused_gate_up.small), _ptr(m.fused_gate_up.bias), _ptr(m.down_proj.small_weight),
                      _ptr(m.down_proj.bias)]
@@ -124,11 +125,11 @@ class DecodeStack:
         cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty_like(x)
         tables, ctx = attn.decode_kernel
-        self.dims[7], self.dims[10] = tables.shape[1], thread_budget()
-        dims = torch.tensor(self.dims, dtype=torch.int32)
+        dims = torch.tensor((*self.dims, tables.shape[1], thread_budget()), dtype=torch.int32)   # + the step's
         layers = self._layer_pointers()
         if _lib().decode_stack(self.fns.data_ptr(), layers.data_ptr(), model.model.norm.weight.data_ptr(),
-                               x.data_ptr(), out.data_ptr(), x.shape[0], attn.slot_mapping.data_ptr(), tables.data_ptr(),
-                               ctx.data_ptr(), cos.data_ptr(), sin.data_ptr(), dims.data_ptr(), self.eps, self.scale):
+                               x.data_ptr(), out.data_ptr(), x.shape[0], attn.slot_mapping.data_ptr(),
+                               tables.data_ptr(), ctx.data_ptr(), cos.data_ptr(), sin.data_ptr(), dims.data_ptr(),
+                               self.eps, self.scale):
             raise MemoryError("decode_stack: could not allocate its buffers")
         return out

@@ -1,13 +1,15 @@
 /* A whole decode step of a dense softmax-attention model (Qwen3's layer: q/k RMSNorm per head, RoPE, GQA,
-   SwiGLU; or Llama's, Qwen2's, Mistral's: no q/k norm) in one call from Python: the layers' ops in the order the PyTorch modules run them, each by the
-   same C function the module would call (function pointers passed in: cpu_ops.c's rms_norm / qk_norm_rope /
-   rope / silu_mul, small_linear.c's few-row linear, paged_decode.c's attention), so the hidden states equal the
-   module path's bit for bit. What is left between those calls is exact: KV rows copied into their slots and
-   the residual adds (float32, or bfloat16 = round-to-nearest-even of the float32 sum, as PyTorch's add).
+   SwiGLU; or Llama's, Qwen2's, Mistral's: no q/k norm) in one call from Python: the layers' ops in the order
+   the PyTorch modules run them, each by the same C function the module would call (function pointers passed
+   in: cpu_ops.c's rms_norm / qk_norm_rope / rope / silu_mul, small_linear.c's few-row linear, paged_decode.c's
+   attention), so the hidden states equal the module path's bit for bit. What is left between those calls is
+   exact: KV rows copied into their slots and the residual adds (float32, or bfloat16 = round-to-nearest-even
+   of the float32 sum, as PyTorch's add).
 
    Per layer l, rows t < T (one query token each):
        h = rms_norm(x, in_norm);  [q | k | v] = h Wqkvᵀ + b
-       q, k = rope(rms_norm_head(q, q_norm)), rope(rms_norm_head(k, k_norm))  (no norm without q/k norms);  K[slot_t], V[slot_t] = k, v
+       q, k = rope(rms_norm_head(q, q_norm)), rope(rms_norm_head(k, k_norm))   (no norm without q/k norms)
+       K[slot_t], V[slot_t] = k, v
        x = x + (attn(q; K, V) Woᵀ + b);  h = rms_norm(x, post_norm)
        x = x + (silu(h Wgᵀ) · (h Wuᵀ)) Wdᵀ + b
    out = rms_norm(x, final_norm). Built by arbor/kernels/native.py, loaded by arbor/engine/decode_stack.py. */
@@ -34,7 +36,9 @@ enum { IN_NORM, QKV, QKV_BIAS, Q_NORM, K_NORM, K_CACHE, V_CACHE, O, O_BIAS, POST
        DOWN, DOWN_BIAS, LAYER_PTRS };
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t f32_to_bf16(float f) { uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (uint16_t)(u >> 16); }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
+}
 
 static void add_into(void *x, const void *h, long n, int bf16) {
     if (bf16) {
@@ -49,12 +53,12 @@ static void add_into(void *x, const void *h, long n, int bf16) {
 
 /* x [T, H] (the embeddings; overwritten with the residual stream), out [T, H]; slots [T] int64; tables
    [T, width] int32, ctx [T] int32 (the attention kernel's); cos/sin [T, R]. dims: H, hq, hk, D, R, I,
-   block_size, width, bf16, num_layers, threads. → 0, or −1 when out of memory. */
+   block_size, bf16, num_layers (the model's), width, threads (the step's). → 0, or −1 when out of memory. */
 int decode_stack(const int64_t *fns, const int64_t *layers, const void *final_norm, void *x, void *out, int T,
                  const int64_t *slots, const int32_t *tables, const int32_t *ctx, const void *cos, const void *sin,
                  const int32_t *dims, float eps, float scale) {
     const int H = dims[0], hq = dims[1], hk = dims[2], D = dims[3], R = dims[4], I = dims[5], bs = dims[6];
-    const int width = dims[7], bf16 = dims[8], L = dims[9], nt = dims[10];
+    const int bf16 = dims[7], L = dims[8], width = dims[9], nt = dims[10];
     const norm_fn norm = (norm_fn)fns[RMS_NORM];
     const linear_fn linear = (linear_fn)fns[LINEAR];
     const qk_fn qk = (qk_fn)fns[QK_NORM_ROPE];
