@@ -117,22 +117,22 @@ def test_clock_leaves_saves_out(tmp_path):
     before = clock.now()
     clock.snapshot(3, lambda path: (path.mkdir(), time.sleep(0.3)))
     assert clock.now() - before < 0.1                        # the 0.3 s save is not on the clock
-    assert not clock.due() and clock.next_save == pytest.approx(0.1, rel=1e-12)
+    assert not clock.due() and before + 0.05 <= clock.next_save < before + 0.06   # growth 0: every_s after the save
     saves = json.loads((tmp_path / "snapshots.json").read_text())
     assert saves == clock.saves and saves[0]["step"] == 3 and Path(saves[0]["path"]).is_dir()
 
 
-def test_clock_saves_densely_then_sparsely(tmp_path):
-    """Saves every ``every_s`` until ``sparse_after_s``, then every ``sparse_every_s``: the next save after a
-    snapshot at t is the first grid point above t (a slow step skips the points it passed)."""
-    clock = TrainClock(tmp_path, seconds=100.0, every_s=1.0, start=0.0, sparse_after_s=3.0, sparse_every_s=5.0)
+def test_clock_gaps_grow_with_the_clock(tmp_path):
+    """After a save at t the next is due at max(t + every_s, t · (1 + growth)): at least every_s apart,
+    then a fixed fraction of the clock (a slow step simply ends past the due time)."""
+    clock = TrainClock(tmp_path, seconds=100.0, every_s=0.5, start=0.0, growth=0.1)
     grid = []
-    for t in (1.2, 2.0, 2.5, 3.1, 8.4, 12.0):
+    for t in (0.2, 0.6, 1.0, 1.2, 4.0, 4.3, 4.5, 30.0, 32.0, 33.0):
         clock.now = lambda t=t: t               # the clock read at each step end
         if clock.due():
             clock.snapshot(0, lambda path: None)
-            grid.append((t, clock.next_save))
-    assert grid == [(1.2, 2.0), (2.0, 3.0), (3.1, 8.0), (8.4, 13.0)]
+            grid.append((t, round(clock.next_save, 9)))
+    assert grid == [(0.6, 1.1), (1.2, 1.7), (4.0, 4.5), (4.5, 5.0), (30.0, 33.0), (33.0, 36.3)]
 
 
 def test_reward_reads_the_last_assistant_message():

@@ -111,3 +111,11 @@ def test_unknown_token_raises(tok):
 def test_load_missing_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         Tokenizer.load(tmp_path)
+
+
+def test_ids_are_one_per_character(tok):
+    """The documented layout for any text without added tokens: a printable ASCII character c → ord(c) − 32,
+    "\\n" → 95, every other character (tab, accents, CJK, emoji) its own "?" (31)."""
+    text = "a\tb é ü 中文 😀\r\n\n\t\tx?" + "".join(chr(c) for c in range(32, 127))
+    want = [ord(c) - 32 if 32 <= ord(c) < 127 else 95 if c == "\n" else 31 for c in text]
+    assert tok.encode(text) == want

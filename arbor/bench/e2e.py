@@ -3,8 +3,8 @@
 The task is ``examples/math-word-problems``: its data (``make_data.py``, seed 0: 4000 train rows, 200
 held-out), its ``math`` reward (math-verify against the number after ``####``), and its tiny
 character-level model after an SFT stage with the example's settings (``arbor sft``; built once per
-variant and cached in OUT/e2e/sft-<variant>). From that model, each system trains for ``--seconds`` of
-wall clock, ``--seeds`` times, in a child process of its own with the same torch threads, one run at a
+variant and cached in OUT/e2e/sft-<variant>). From that model, each system trains for the variant's
+horizon of wall clock (below), ``--seeds`` times, in a child process of its own with the same torch threads, one run at a
 time:
 
 - Arbor: the trainer and loop of ``arbor train`` (``arbor.bench.e2e_worker``), Arbor's defaults but for
@@ -21,16 +21,18 @@ Two variants: ``tool`` (the example's calculator, ``tools.py:calc``: Arbor's ``t
 argument), from the model SFT'd on ``sft.jsonl`` (run.sh's stage 1: calculator calls, and answers "in its
 head" it cannot compute, which RL learns to replace by calls); and ``plain`` (no tools), from the model
 SFT'd on ``sft_worked.jsonl`` (each step's arithmetic written out, ``8*7=56``, then ``Answer: N``), whose
-slips RL reduces. Both children save the model every ``--save-every`` seconds of their training clock
-for the first ``--sparse-after`` seconds, where the curves rise and the threshold is crossed, then every
-``--sparse-every`` (``TrainClock``: from the child's start, imports and set-up included, saves excluded); after each run
-Arbor's engine evaluates every saved model (then deleted), and the SFT model at t = 0, on the first
+slips RL reduces. Each variant trains for its own horizon (``SECONDS``: plain 120 s, tool 300 s, where TRL's
+tool runs are still rising at 120 s; ``--seconds`` sets both). Both children save the model on their
+training clock (``TrainClock``: from the child's start, imports and set-up included, saves excluded)
+at gaps of ``--save-growth`` (5 %) of the clock, at least ``--save-every`` seconds: a time to the
+threshold is resolved to the same fraction of itself for both systems. After each run Arbor's
+engine evaluates every saved model (then deleted), and the SFT model at t = 0, on the first
 ``--eval-rows`` held-out rows, greedily (the evaluator of ``arbor eval``, identical for both).
 
 Reported per variant: each system's final accuracy (median over seeds and the spread), and the time each
 run first reaches 90 % of the better system's median final accuracy (``time_to``); the ratio is
 the median of Arbor's times over the median of TRL's. A TRL median that never reaches it within
-``--seconds`` makes the ratio an upper bound (``seconds`` used for TRL's time), reported as such. There is
+the horizon makes the ratio an upper bound (the horizon used for TRL's time), reported as such. There is
 no ratio when that threshold is within evaluation noise of the SFT model's accuracy (``learned``: the gap
 must exceed two binomial standard errors on ``--eval-rows`` rows). Also reported: each system's
 clock at the end of its first step (start-up included), seconds per step, steps to the threshold.
@@ -56,6 +58,7 @@ from arbor.bench.common import print_table, print_targets, target, write_result
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math-word-problems"
 VARIANTS = ("plain", "tool")
 WANTED = {"plain": 0.5, "tool": 0.33}
+SECONDS = {"plain": 120.0, "tool": 300.0}      # each variant's horizon (``--seconds`` overrides both)
 SFT_ARGS = ("train.steps=1500", "train.batch_tokens=4096", "train.log_every=250", "train.optim.lr=3e-3",
             "train.optim.min_lr_ratio=1.0", "train.checkpoint_every=0")     # examples/math-word-problems/run.sh
 CALC = f"{EXAMPLE / 'tools.py'}:calc"          # the example's calculator, as ``tools=[…]`` names it
@@ -223,8 +226,9 @@ class Evaluator:
         return metrics["test_accuracy"]
 
 
-def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1, 2), threads=2, eval_rows=200,
-        variants=VARIANTS, trl="auto", settings: Settings | None = None, sparse_after=60.0, sparse_every=5.0) -> dict:
+def run(out_dir="benchmarks/results", seconds: float | None = None, save_every=0.25, seeds=(0, 1, 2), threads=2,
+        eval_rows=200, variants=VARIANTS, trl="auto", settings: Settings | None = None, save_growth=0.05) -> dict:
+    """``seconds``: every variant's horizon (None: ``SECONDS``)."""
     import torch
     torch.set_num_threads(threads)
     s = settings or Settings()
@@ -233,8 +237,9 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1
     from arbor.bench.rl_trl import ensure_trl
     trl_version = ensure_trl() if trl != "off" else None
     data, sfts = prepare(work, threads, variants)
-    result = {"config": {"settings": asdict(s), "seconds": seconds, "save_every_s": save_every,
-                         "sparse_after_s": sparse_after, "sparse_every_s": sparse_every, "seeds": list(seeds),
+    horizon = {v: seconds or SECONDS[v] for v in variants}
+    result = {"config": {"settings": asdict(s), "seconds": horizon, "save_every_s": save_every,
+                         "save_growth": save_growth, "seeds": list(seeds),
                          "threads": threads, "eval_rows": eval_rows, "trl_version": trl_version,
                          "sft_model": {v: str(p) for v, p in sfts.items()}, "sft": list(SFT_ARGS),
                          "sft_data": {v: SFT_DATA[v][0] for v in variants},
@@ -244,7 +249,7 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1
                          "differences": DIFFERENCES}, "variants": {}}
     targets, rows = [], []
     for v in variants:
-        sft = sfts[v]
+        sft, seconds = sfts[v], horizon[v]
         ev = Evaluator(v, data, sft, eval_rows, s, work)
         base = ev.accuracy(sft)
         runs = {"arbor": [], "trl": []} if trl_version else {"arbor": []}
@@ -254,8 +259,8 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1
                 cmd = arbor_cmd(s, v, data, sft, d, seed, eval_rows) if system == "arbor" else \
                     trl_cmd(s, v, data, sft, d, seed, work)
                 r = child(cmd + ["--out", str(d), "--seconds", str(seconds), "--save-every", str(save_every),
-                                 "--sparse-after", str(sparse_after), "--sparse-every", str(sparse_every),
-                                 "--threads", str(threads)], threads, timeout=seconds * 4 + 600)
+                                 "--save-growth", str(save_growth), "--threads", str(threads)],
+                          threads, timeout=seconds * 4 + 600)
                 r["curve"] = [(0.0, base)] + [(x["train_s"], ev.accuracy(x["path"])) for x in r["snapshots"]]
                 shutil.rmtree(d)            # the saved models (~3 MB each, ~40 a run) once evaluated
                 runs[system].append(r)
@@ -273,7 +278,7 @@ def run(out_dir="benchmarks/results", seconds=120.0, save_every=1.0, seeds=(0, 1
                              summary[k].get("first_step_end_s", "–"), summary[k].get("step_s", "–"),
                              " ".join(str(n) for n in summary[k].get("steps_to_threshold", ()))])
         result["variants"][v] = entry
-    print_table(f"time to 90 % of the better final held-out accuracy, {threads} threads, {seconds:.0f} s runs, "
+    print_table(f"time to 90 % of the better final held-out accuracy, {threads} threads, runs of {horizon} s, "
                 f"seeds {list(seeds)}", ["run", "final acc (median)", "spread", "time to 90 % (s)", "÷ TRL", "1st step ends (s)", "s / step",
                  "steps to 90 %"], rows)
     result["targets"] = targets
@@ -336,11 +341,11 @@ def plot(plt, result: dict):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--seconds", type=float, default=120.0, help="training wall-clock per run")
-    p.add_argument("--save-every", type=float, default=1.0,
-                   help="seconds of training clock between saved models, for the first --sparse-after seconds")
-    p.add_argument("--sparse-after", type=float, default=60.0, help="seconds of training clock after which …")
-    p.add_argument("--sparse-every", type=float, default=5.0, help="… models are saved every this many seconds")
+    p.add_argument("--seconds", type=float, default=None,
+                   help=f"training wall-clock per run, every variant (default: each its own, {SECONDS})")
+    p.add_argument("--save-every", type=float, default=0.25, help="fewest seconds of training clock between saved models")
+    p.add_argument("--save-growth", type=float, default=0.05,
+                   help="a save at clock t is followed by one at t * (1 + this) or later (times resolved to 5 %%)")
     p.add_argument("--seeds", type=int, default=3, help="runs per system and variant (seeds 0…n-1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of every run and of the evaluation")
     p.add_argument("--eval-rows", type=int, default=200,
@@ -350,11 +355,12 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> None:
-    for flag, v in (("--seconds", args.seconds), ("--save-every", args.save_every), ("--sparse-after", args.sparse_after),
-                    ("--sparse-every", args.sparse_every), ("--seeds", args.seeds),
+    for flag, v in (("--seconds", 1 if args.seconds is None else args.seconds), ("--save-every", args.save_every), ("--seeds", args.seeds),
                     ("--threads", args.threads), ("--eval-rows", args.eval_rows)):
         if v <= 0:
             raise SystemExit(f"{flag} must be > 0, got {v}")
+    if args.save_growth < 0:
+        raise SystemExit(f"--save-growth must be ≥ 0, got {args.save_growth}")
     run(out_dir=args.out, seconds=args.seconds, save_every=args.save_every, seeds=tuple(range(args.seeds)),
         threads=args.threads, eval_rows=args.eval_rows, variants=VARIANTS if args.variant == "both" else (args.variant,),
-        trl=args.trl, sparse_after=args.sparse_after, sparse_every=args.sparse_every)
+        trl=args.trl, save_growth=args.save_growth)

@@ -3,8 +3,9 @@
 ``python -m arbor.bench.e2e_worker --out DIR --seconds S --save-every E --threads T -- KEY=VALUE …``
 builds the trainer of ``arbor train`` from the RL config's ``KEY=VALUE`` overrides (``arbor.train.run.
 build_trainer``: model, colocated engine, task) and runs ``arbor train``'s loop (``arbor.train.loop.run_loop``)
-until the training clock passes ``S`` seconds. Every ``E`` seconds of that clock (checked after each
-step; every ``--sparse-every`` seconds after ``--sparse-after``) and at the end the model is saved as an HF folder ``DIR/t{i}`` (``arbor.models.save_model``).
+until the training clock passes ``S`` seconds. The model is saved as an HF folder ``DIR/t{i}``
+(``arbor.models.save_model``) when a step ends at or after the next save time (``TrainClock``: a
+save at clock t sets it to max(t + E, t · (1 + ``--save-growth``))) and at the end.
 
 ``TrainClock`` is the clock of both systems (TRL's child, ``arbor.bench.rl_trl e2e``, uses it too):
 it starts when the child's ``main`` starts (imports, model load and trainer set-up count, as they
@@ -27,14 +28,14 @@ PHASES = ("rollout_s", "recompute_s", "train_s", "sync_s")     # a step's parts 
 
 
 class TrainClock:
-    """Elapsed seconds since ``start`` less the time spent in ``snapshot``; snapshots due every ``every_s``
-    until ``sparse_after_s``, then every ``sparse_every_s`` (dense where the curves rise, so the time to a
-    threshold is resolved to ``every_s`` there, without evaluating hundreds of models per run)."""
+    """Elapsed seconds since ``start`` less the time spent in ``snapshot``. After a snapshot at clock t
+    the next is due at max(t + ``every_s``, t · (1 + ``growth``)): the gap grows with the clock, so a
+    time to a threshold is resolved to the same *fraction* of itself (``growth``) whether a run is fast
+    or slow (a fixed gap would penalise the faster system, whose times are shorter), and a long run
+    saves O(log seconds) models, not hundreds."""
 
-    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None,
-                 sparse_after_s: float = float("inf"), sparse_every_s: float | None = None):
-        self.out, self.seconds, self.every_s = Path(out), seconds, every_s
-        self.sparse_after_s, self.sparse_every_s = sparse_after_s, sparse_every_s or every_s
+    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None, growth: float = 0.0):
+        self.out, self.seconds, self.every_s, self.growth = Path(out), seconds, every_s, growth
         self.start = time.perf_counter() if start is None else start
         self.paused = 0.0
         self.next_save = every_s
@@ -57,8 +58,7 @@ class TrainClock:
         save(path)
         self.saves.append({"step": step, "train_s": t, "path": str(path)})
         (self.out / "snapshots.json").write_text(json.dumps(self.saves, indent=1))
-        while self.next_save <= t:
-            self.next_save += self.every_s if self.next_save < self.sparse_after_s else self.sparse_every_s
+        self.next_save = max(t + self.every_s, t * (1 + self.growth))
         self.paused += time.perf_counter() - t0
 
 
@@ -66,12 +66,11 @@ def add_clock_arguments(p) -> None:
     """The clock's flags, the same in both children (and ``arbor bench e2e``, which passes them on)."""
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--save-every", type=float, required=True)
-    p.add_argument("--sparse-after", type=float, default=float("inf"))
-    p.add_argument("--sparse-every", type=float, default=None)
+    p.add_argument("--save-growth", type=float, default=0.0)
 
 
 def clock_of(a, start: float) -> TrainClock:
-    return TrainClock(Path(a.out), a.seconds, a.save_every, start, a.sparse_after, a.sparse_every)
+    return TrainClock(Path(a.out), a.seconds, a.save_every, start, a.save_growth)
 
 
 def main(argv=None) -> None:
