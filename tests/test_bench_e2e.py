@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from arbor import configs
-from arbor.bench.e2e import EXAMPLE, Settings, arbor_overrides, learned, median_time, summarize, time_to, trl_config
+from arbor.bench.e2e import (EXAMPLE, Settings, arbor_overrides, final_at, learned, median_time, summarize, time_to,
+                             trl_config)
 from arbor.bench.e2e_worker import TrainClock
 from arbor.bench.rl_trl import last_answer
 from arbor.train.config import RLConfig
@@ -84,6 +85,22 @@ def test_summary_when_trl_never_gets_there():
     assert s["trl"]["median_time_s"] == 0.0 and s["ratio"] is None and "note" in s and not targets[0]["met"]
 
 
+def test_trl_timed_past_the_horizon_with_finals_read_at_it():
+    """TRL trains to twice the horizon (100 s): its finals are its accuracy saved at the horizon, and a
+    crossing after the horizon is a time, not a censored one."""
+    assert final_at([(0.0, 0.3), (90.0, 0.5), (100.5, 0.6), (150.0, 0.9)], 100.0) == 0.6
+    assert final_at([(0.0, 0.3), (90.0, 0.5)], 100.0) == 0.5          # a run that ended early: its last
+    runs = {"arbor": [run((30.0, 0.85), (100.2, 0.9))] * 3,
+            "trl": [run((100.4, 0.7), (150.0, 0.82)), run((100.1, 0.75), (190.0, 0.81)), run((100.3, 0.8), (200.2, 0.8))]}
+    s, targets = summarize(runs, 100.0, 0.33, "tool", limits={"trl": 200.0})
+    assert s["trl"]["final"] == [0.7, 0.75, 0.8] and s["better_final"] == 0.9      # the 0.82 at 150 s is not a final
+    assert s["trl"]["time_to_threshold_s"] == [150.0, 190.0, None] and not s["trl"]["median_censored"]
+    assert s["ratio"] == pytest.approx(30.0 / 190.0, rel=1e-15) and not s["ratio_is_upper_bound"] and targets[0]["met"]
+    runs["trl"][1] = run((100.1, 0.75), (190.0, 0.8))
+    s, _ = summarize(runs, 100.0, 0.33, "tool", limits={"trl": 200.0})
+    assert s["trl"]["median_censored"] and s["trl"]["median_time_s"] == 200.0 and s["ratio_is_upper_bound"]
+
+
 @pytest.mark.parametrize("variant", ["plain", "tool"])
 def test_both_systems_get_the_same_settings(tmp_path, variant):
     s = Settings()
@@ -133,6 +150,15 @@ def test_clock_gaps_grow_with_the_clock(tmp_path):
             clock.snapshot(0, lambda path: None)
             grid.append((t, round(clock.next_save, 9)))
     assert grid == [(0.6, 1.1), (1.2, 1.7), (4.0, 4.5), (4.5, 5.0), (30.0, 33.0), (33.0, 36.3)]
+
+    marked = TrainClock(tmp_path, seconds=100.0, every_s=0.5, start=0.0, growth=0.1, mark=31.0)
+    grid = []
+    for t in (0.6, 29.0, 30.5, 31.2, 34.0, 34.5):
+        marked.now = lambda t=t: t
+        if marked.due():
+            marked.snapshot(0, lambda path: None)
+            grid.append((t, round(marked.next_save, 9)))
+    assert grid == [(0.6, 1.1), (29.0, 31.0), (31.2, 34.32), (34.5, 37.95)]     # 29 → the mark, not 31.9
 
 
 def test_reward_reads_the_last_assistant_message():

@@ -29,10 +29,13 @@ threshold is resolved to the same fraction of itself for both systems. After eac
 engine evaluates every saved model (then deleted), and the SFT model at t = 0, on the first
 ``--eval-rows`` held-out rows, greedily (the evaluator of ``arbor eval``, identical for both).
 
-Reported per variant: each system's final accuracy (median over seeds and the spread), and the time each
-run first reaches 90 % of the better system's median final accuracy (``time_to``); the ratio is
-the median of Arbor's times over the median of TRL's. A TRL median that never reaches it within
-the horizon makes the ratio an upper bound (the horizon used for TRL's time), reported as such. There is
+Reported per variant: each system's final accuracy at the horizon (median over seeds and the spread), and
+the time each run first reaches 90 % of the better system's median final accuracy (``time_to``); the ratio
+is the median of Arbor's times over the median of TRL's. TRL's runs train on past the horizon, to
+``--trl-overtime`` (2) times it, saved at the horizon too (its finals are read there, as Arbor's): a TRL
+run that reaches the threshold only after the horizon is timed, not censored. A TRL median that never
+reaches it within that longer run makes the ratio an upper bound (that run's length used for TRL's time),
+reported as such. There is
 no ratio when that threshold is within evaluation noise of the SFT model's accuracy (``learned``: the gap
 must exceed two binomial standard errors on ``--eval-rows`` rows). Also reported: each system's
 clock at the end of its first step (start-up included), seconds per step, steps to the threshold.
@@ -117,6 +120,13 @@ def time_to(curve: list[tuple[float, float]], threshold: float) -> float | None:
     return next((t for t, acc in sorted(curve) if acc >= threshold), None)
 
 
+def final_at(curve: list[tuple[float, float]], horizon: float) -> float:
+    """The accuracy of ``curve``'s first model saved at or after ``horizon`` (a run that stops there saves
+    its last model then; one that goes on is saved then too: ``TrainClock``'s ``mark``), else its last."""
+    ordered = sorted(curve)
+    return next((acc for t, acc in ordered if t >= horizon), ordered[-1][1])
+
+
 def median_time(times: list[float | None], limit: float) -> tuple[float, bool]:
     """(median of ``times``, never-reached counted as ``limit``; whether that median depends on ``limit``:
     at least half never reached it)."""
@@ -148,19 +158,22 @@ def learned(base: float, threshold: float, rows: int) -> bool:
 
 
 def summarize(runs: dict[str, list[dict]], seconds: float, wanted: float, name: str,
-              rows: int = 100) -> tuple[dict, list[dict]]:
-    """Per-system finals and times to 90 % of the better median final; → (summary, targets). No ratio when
-    that threshold is not ``learned`` from the runs' t = 0 accuracy (on ``rows`` held-out rows)."""
-    finals = {k: [r["curve"][-1][1] for r in rs] for k, rs in runs.items()}
+              rows: int = 100, limits: dict[str, float] | None = None) -> tuple[dict, list[dict]]:
+    """Per-system finals at the horizon ``seconds`` and times to 90 % of the better median final, each
+    system's times looked for up to its ``limits`` (default: the horizon; a system that trained on past
+    it may reach the threshold later); → (summary, targets). No ratio when that threshold is not
+    ``learned`` from the runs' t = 0 accuracy (on ``rows`` held-out rows)."""
+    limits = {k: seconds for k in runs} | (limits or {})
+    finals = {k: [final_at(r["curve"], seconds) for r in rs] for k, rs in runs.items()}
     best = max(statistics.median(v) for v in finals.values())
     threshold = 0.9 * best
     base = min(r["curve"][0][1] for rs in runs.values() for r in rs)
-    out = {"threshold": threshold, "better_final": best}
+    out = {"threshold": threshold, "better_final": best, "horizon_s": seconds}
     for k, rs in runs.items():
         times = [time_to(r["curve"], threshold) for r in rs]
-        m, censored = median_time(times, seconds)
+        m, censored = median_time(times, limits[k])
         out[k] = {"final": finals[k], "final_median": statistics.median(finals[k]), "time_to_threshold_s": times,
-                  "median_time_s": m, "median_censored": censored}
+                  "median_time_s": m, "median_censored": censored, "limit_s": limits[k]}
         if all(len(r.get("step_end_s", ())) > 1 for r in rs):
             out[k].update(where_time_went(rs, times))
     a, t = out["arbor"], out["trl"]
@@ -227,8 +240,9 @@ class Evaluator:
 
 
 def run(out_dir="benchmarks/results", seconds: float | None = None, save_every=0.25, seeds=(0, 1, 2), threads=2,
-        eval_rows=200, variants=VARIANTS, trl="auto", settings: Settings | None = None, save_growth=0.05) -> dict:
-    """``seconds``: every variant's horizon (None: ``SECONDS``)."""
+        eval_rows=200, variants=VARIANTS, trl="auto", settings: Settings | None = None, save_growth=0.05,
+        trl_overtime=2.0) -> dict:
+    """``seconds``: every variant's horizon (None: ``SECONDS``); TRL's runs train ``trl_overtime`` × as long."""
     import torch
     torch.set_num_threads(threads)
     s = settings or Settings()
@@ -239,7 +253,7 @@ def run(out_dir="benchmarks/results", seconds: float | None = None, save_every=0
     data, sfts = prepare(work, threads, variants)
     horizon = {v: seconds or SECONDS[v] for v in variants}
     result = {"config": {"settings": asdict(s), "seconds": horizon, "save_every_s": save_every,
-                         "save_growth": save_growth, "seeds": list(seeds),
+                         "save_growth": save_growth, "trl_overtime": trl_overtime, "seeds": list(seeds),
                          "threads": threads, "eval_rows": eval_rows, "trl_version": trl_version,
                          "sft_model": {v: str(p) for v, p in sfts.items()}, "sft": list(SFT_ARGS),
                          "sft_data": {v: SFT_DATA[v][0] for v in variants},
@@ -258,9 +272,10 @@ def run(out_dir="benchmarks/results", seconds: float | None = None, save_every=0
                 d = work / "runs" / f"{v}-{system}-{seed}"
                 cmd = arbor_cmd(s, v, data, sft, d, seed, eval_rows) if system == "arbor" else \
                     trl_cmd(s, v, data, sft, d, seed, work)
-                r = child(cmd + ["--out", str(d), "--seconds", str(seconds), "--save-every", str(save_every),
-                                 "--save-growth", str(save_growth), "--threads", str(threads)],
-                          threads, timeout=seconds * 4 + 600)
+                limit = seconds * (trl_overtime if system == "trl" else 1.0)
+                r = child(cmd + ["--out", str(d), "--seconds", str(limit), "--save-at", str(seconds),
+                                 "--save-every", str(save_every), "--save-growth", str(save_growth),
+                                 "--threads", str(threads)], threads, timeout=limit * 4 + 600)
                 r["curve"] = [(0.0, base)] + [(x["train_s"], ev.accuracy(x["path"])) for x in r["snapshots"]]
                 shutil.rmtree(d)            # the saved models (~3 MB each, ~40 a run) once evaluated
                 runs[system].append(r)
@@ -268,12 +283,12 @@ def run(out_dir="benchmarks/results", seconds: float | None = None, save_every=0
                       + " ".join(f"{acc:.2f}@{t:.0f}s" for t, acc in r["curve"]), flush=True)
         entry = {"sft_accuracy": base, "runs": runs}
         if "trl" in runs:
-            summary, tg = summarize(runs, seconds, WANTED[v], v, eval_rows)
+            summary, tg = summarize(runs, seconds, WANTED[v], v, eval_rows, {"trl": seconds * trl_overtime})
             entry["summary"] = summary
             targets += tg
             for k in runs:
                 rows.append([f"{v}: {k}", summary[k]["final_median"], f"{min(summary[k]['final']):.2f}–"
-                             f"{max(summary[k]['final']):.2f}", (f"> {seconds:g} (median never)" if summary[k]["median_censored"]
+                             f"{max(summary[k]['final']):.2f}", (f"> {summary[k]['limit_s']:g} (median never)" if summary[k]["median_censored"]
                                                    else summary[k]["median_time_s"]), ratio_cell(summary) if k == "arbor" else "",
                              summary[k].get("first_step_end_s", "–"), summary[k].get("step_s", "–"),
                              " ".join(str(n) for n in summary[k].get("steps_to_threshold", ()))])
@@ -330,6 +345,8 @@ def plot(plt, result: dict):
             ax.fill_between(grid, [min(c) for c in cols], [max(c) for c in cols], step="post", color=f"C{i}", alpha=0.2)
         if "summary" in e:
             ax.axhline(e["summary"]["threshold"], color="grey", ls=":", lw=1, label="90 % of the better final")
+            if e["summary"]["trl"]["limit_s"] > e["summary"]["horizon_s"]:
+                ax.axvline(e["summary"]["horizon_s"], color="black", ls=":", lw=1, label="horizon (finals read here)")
             for i, system in enumerate(e["runs"]):      # a time is marked where it is compared (no note)
                 if not e["summary"][system]["median_censored"] and "note" not in e["summary"]:
                     ax.axvline(e["summary"][system]["median_time_s"], color=f"C{i}", ls="--", lw=1)
@@ -343,7 +360,8 @@ def plot(plt, result: dict):
 def add_arguments(p) -> None:
     p.add_argument("--seconds", type=float, default=None,
                    help=f"training wall-clock per run, every variant (default: each its own, {SECONDS})")
-    p.add_argument("--save-every", type=float, default=0.25, help="fewest seconds of training clock between saved models")
+    p.add_argument("--save-every", type=float, default=0.25,
+                   help="fewest seconds of training clock between saved models")
     p.add_argument("--save-growth", type=float, default=0.05,
                    help="a save at clock t is followed by one at t * (1 + this) or later (times resolved to 5 %%)")
     p.add_argument("--seeds", type=int, default=3, help="runs per system and variant (seeds 0…n-1)")
@@ -351,16 +369,20 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-rows", type=int, default=200,
                    help="held-out rows each saved model is evaluated on (200: all)")
     p.add_argument("--variant", default="both", choices=["plain", "tool", "both"])
+    p.add_argument("--trl-overtime", type=float, default=2.0,
+                   help="TRL's runs train this many times the horizon, so a time to the threshold past it is seen")
     p.add_argument("--trl", default="auto", choices=["auto", "off"], help="off: Arbor's curves only (no TRL, no ratio)")
 
 
 def main(args) -> None:
-    for flag, v in (("--seconds", 1 if args.seconds is None else args.seconds), ("--save-every", args.save_every), ("--seeds", args.seeds),
-                    ("--threads", args.threads), ("--eval-rows", args.eval_rows)):
+    for flag, v in (("--seconds", 1 if args.seconds is None else args.seconds), ("--save-every", args.save_every),
+                    ("--seeds", args.seeds), ("--threads", args.threads), ("--eval-rows", args.eval_rows)):
         if v <= 0:
             raise SystemExit(f"{flag} must be > 0, got {v}")
     if args.save_growth < 0:
         raise SystemExit(f"--save-growth must be ≥ 0, got {args.save_growth}")
+    if args.trl_overtime < 1:
+        raise SystemExit(f"--trl-overtime must be ≥ 1 (TRL trains at least the horizon), got {args.trl_overtime}")
     run(out_dir=args.out, seconds=args.seconds, save_every=args.save_every, seeds=tuple(range(args.seeds)),
         threads=args.threads, eval_rows=args.eval_rows, variants=VARIANTS if args.variant == "both" else (args.variant,),
-        trl=args.trl, save_growth=args.save_growth)
+        trl=args.trl, save_growth=args.save_growth, trl_overtime=args.trl_overtime)

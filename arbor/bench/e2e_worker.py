@@ -32,13 +32,15 @@ class TrainClock:
     the next is due at max(t + ``every_s``, t · (1 + ``growth``)): the gap grows with the clock, so a
     time to a threshold is resolved to the same *fraction* of itself (``growth``) whether a run is fast
     or slow (a fixed gap would penalise the faster system, whose times are shorter), and a long run
-    saves O(log seconds) models, not hundreds."""
+    saves O(log seconds) models, not hundreds. A save is also due at ``mark`` (a run that goes on past
+    the bench's horizon is saved at it, as a run that stops there is)."""
 
-    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None, growth: float = 0.0):
-        self.out, self.seconds, self.every_s, self.growth = Path(out), seconds, every_s, growth
+    def __init__(self, out: Path, seconds: float, every_s: float, start: float | None = None, growth: float = 0.0,
+                 mark: float | None = None):
+        self.out, self.seconds, self.every_s, self.growth, self.mark = Path(out), seconds, every_s, growth, mark
         self.start = time.perf_counter() if start is None else start
         self.paused = 0.0
-        self.next_save = every_s
+        self.next_save = every_s if mark is None else min(every_s, mark)
         self.saves: list[dict] = []
 
     def now(self) -> float:
@@ -59,6 +61,8 @@ class TrainClock:
         self.saves.append({"step": step, "train_s": t, "path": str(path)})
         (self.out / "snapshots.json").write_text(json.dumps(self.saves, indent=1))
         self.next_save = max(t + self.every_s, t * (1 + self.growth))
+        if self.mark is not None and t < self.mark:
+            self.next_save = min(self.next_save, self.mark)
         self.paused += time.perf_counter() - t0
 
 
@@ -67,10 +71,11 @@ def add_clock_arguments(p) -> None:
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--save-every", type=float, required=True)
     p.add_argument("--save-growth", type=float, default=0.0)
+    p.add_argument("--save-at", type=float, default=None)
 
 
 def clock_of(a, start: float) -> TrainClock:
-    return TrainClock(Path(a.out), a.seconds, a.save_every, start, a.save_growth)
+    return TrainClock(Path(a.out), a.seconds, a.save_every, start, a.save_growth, a.save_at)
 
 
 def main(argv=None) -> None:
