@@ -10,6 +10,11 @@ each with ``MOE_LAYERS`` decoder layers. transformers runs its default ``experts
 (recorded in the JSON). Tiny shapes report Arbor's time ÷ transformers' (≤ 1.0: no slower); the
 sparse shapes report transformers' time ÷ Arbor's (the speed-up), and moe64's Arbor time ÷ moe32's
 (cost that falls with sparsity: at equal active parameters, ≤ 1.2).
+
+Each system's rate is also given in GFLOP/s of the step's counted work (``step_flops``), beside
+torch's GEMM rate at the step's own GEMM shapes (``gemm_rate``, the larger of a hidden × hidden
+projection over all tokens and one expert's share of rows): ``speedup_bound`` = GEMM rate ÷
+transformers' rate, the speed-up over transformers a step would reach if all of it ran at the GEMM rate.
 """
 
 from __future__ import annotations
@@ -32,6 +37,40 @@ SHAPES = {"qwen3": SHAPE, "qwen3_moe": SHAPE | MOE,
           "moe32": SPARSE | dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512),
           "moe64": SPARSE | dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def step_flops(shape: dict, seq_len: int, seqs: int) -> float:
+    """Forward + backward FLOPs of one step on ``seqs`` causal sequences of ``seq_len`` tokens: 3 × the
+    forward's (backward: two GEMMs per forward GEMM). Forward per token, with D hidden, d head_dim,
+    Hq / Hkv heads, S seq_len: Σ_layers [2·D·(2·Hq·d + 2·Hkv·d) (q, k, v, o) + 4·Hq·d·(S + 1)/2 (causal
+    QKᵀ and PV over the mean context) + MLP] + 2·D·V (LM head); MLP = 6·D·I (SwiGLU) or, with E experts
+    of I_e, top-k: 2·D·E + k·6·D·I_e. Norms, softmax, activations and routing copies are not counted."""
+    D, d, L = shape["hidden_size"], shape["head_dim"], shape["num_hidden_layers"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    if "num_experts" in shape:
+        E, k, inter = shape["num_experts"], shape["num_experts_per_tok"], shape["moe_intermediate_size"]
+        mlp = 2 * D * E + k * 6 * D * inter
+    else:
+        mlp = 6 * D * shape["intermediate_size"]
+    per_token = L * (2 * D * (2 * q + 2 * kv) + 4 * q * (seq_len + 1) / 2 + mlp) + 2 * D * shape["vocab_size"]
+    return 3 * per_token * seq_len * seqs
+
+
+def gemm_rate(shape: dict, tokens: int, dtype, device, repeats: int = 9) -> float:
+    """torch's GEMM GFLOP/s (median of ``repeats``) at the step's shapes, the larger of: [tokens, D] ×
+    [D, D], and one expert's rows (tokens · k / E) × [D, 2·I_e] (dense: [tokens, D] × [D, 2·I])."""
+    D = shape["hidden_size"]
+    if "num_experts" in shape:
+        rows = max(1, tokens * shape["num_experts_per_tok"] // shape["num_experts"])
+        n = 2 * shape["moe_intermediate_size"]
+    else:
+        rows, n = tokens, 2 * shape["intermediate_size"]
+    best = 0.0
+    for m, k, n_ in ((tokens, D, D), (rows, D, n)):
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n_, device=device, dtype=dtype)
+        times = time_interleaved({"mm": lambda: a @ b}, repeats, device=device)["mm"]
+        best = max(best, 2 * m * k * n_ / median(times) / 1e9)
+    return best
 
 
 def build_pair(kind: str, device, dtype=torch.float32):
@@ -76,6 +115,10 @@ def measure(kind: str, dtype: str, batch: int, seq_len: int, repeats: int, devic
     out = {"dtype": dtype, "seconds": times, "median_s": {"transformers": t_hf, "arbor": t_arbor},
            "ratio_arbor_over_transformers": t_arbor / t_hf, "speedup_over_transformers": t_hf / t_arbor,
            "tokens_per_s": {"transformers": batch * seq_len / t_hf, "arbor": batch * seq_len / t_arbor}}
+    flops = step_flops(SHAPES[kind], seq_len, batch)
+    rate = gemm_rate(SHAPES[kind], batch * seq_len, DTYPES[dtype], device)
+    out |= {"gflop_per_step": flops / 1e9, "gflop_per_s": {k: flops / t / 1e9 for k, t in out["median_s"].items()},
+            "gemm_gflop_per_s": rate, "speedup_bound": rate / (flops / t_hf / 1e9)}
     if "num_experts" in SHAPES[kind]:
         out["transformers_experts_implementation"] = hf.config._experts_implementation
     return out
