@@ -91,7 +91,8 @@ def test_trl_timed_past_the_horizon_with_finals_read_at_it():
     assert final_at([(0.0, 0.3), (90.0, 0.5), (100.5, 0.6), (150.0, 0.9)], 100.0) == 0.6
     assert final_at([(0.0, 0.3), (90.0, 0.5)], 100.0) == 0.5          # a run that ended early: its last
     runs = {"arbor": [run((30.0, 0.85), (100.2, 0.9))] * 3,
-            "trl": [run((100.4, 0.7), (150.0, 0.82)), run((100.1, 0.75), (190.0, 0.81)), run((100.3, 0.8), (200.2, 0.8))]}
+            "trl": [run((100.4, 0.7), (150.0, 0.82)), run((100.1, 0.75), (190.0, 0.81)),
+                    run((100.3, 0.8), (200.2, 0.8))]}
     s, targets = summarize(runs, 100.0, 0.33, "tool", limits={"trl": 200.0})
     assert s["trl"]["final"] == [0.7, 0.75, 0.8] and s["better_final"] == 0.9      # the 0.82 at 150 s is not a final
     assert s["trl"]["time_to_threshold_s"] == [150.0, 190.0, None] and not s["trl"]["median_censored"]
@@ -139,26 +140,26 @@ def test_clock_leaves_saves_out(tmp_path):
     assert saves == clock.saves and saves[0]["step"] == 3 and Path(saves[0]["path"]).is_dir()
 
 
-def test_clock_gaps_grow_with_the_clock(tmp_path):
-    """After a save at t the next is due at max(t + every_s, t · (1 + growth)): at least every_s apart,
-    then a fixed fraction of the clock (a slow step simply ends past the due time)."""
-    clock = TrainClock(tmp_path, seconds=100.0, every_s=0.5, start=0.0, growth=0.1)
+def saves_at(clock: TrainClock, step_ends) -> list[tuple[float, float]]:
+    """(step end, next save time) for each step end at which ``clock`` saved."""
     grid = []
-    for t in (0.2, 0.6, 1.0, 1.2, 4.0, 4.3, 4.5, 30.0, 32.0, 33.0):
+    for t in step_ends:
         clock.now = lambda t=t: t               # the clock read at each step end
         if clock.due():
             clock.snapshot(0, lambda path: None)
             grid.append((t, round(clock.next_save, 9)))
-    assert grid == [(0.6, 1.1), (1.2, 1.7), (4.0, 4.5), (4.5, 5.0), (30.0, 33.0), (33.0, 36.3)]
+    return grid
 
+
+def test_clock_gaps_grow_with_the_clock(tmp_path):
+    """After a save at t the next is due at max(t + every_s, t · (1 + growth)): at least every_s apart,
+    then a fixed fraction of the clock (a slow step simply ends past the due time)."""
+    clock = TrainClock(tmp_path, seconds=100.0, every_s=0.5, start=0.0, growth=0.1)
+    assert saves_at(clock, (0.2, 0.6, 1.0, 1.2, 4.0, 4.3, 4.5, 30.0, 32.0, 33.0)) == \
+        [(0.6, 1.1), (1.2, 1.7), (4.0, 4.5), (4.5, 5.0), (30.0, 33.0), (33.0, 36.3)]
     marked = TrainClock(tmp_path, seconds=100.0, every_s=0.5, start=0.0, growth=0.1, mark=31.0)
-    grid = []
-    for t in (0.6, 29.0, 30.5, 31.2, 34.0, 34.5):
-        marked.now = lambda t=t: t
-        if marked.due():
-            marked.snapshot(0, lambda path: None)
-            grid.append((t, round(marked.next_save, 9)))
-    assert grid == [(0.6, 1.1), (29.0, 31.0), (31.2, 34.32), (34.5, 37.95)]     # 29 → the mark, not 31.9
+    assert saves_at(marked, (0.6, 29.0, 30.5, 31.2, 34.0, 34.5)) == \
+        [(0.6, 1.1), (29.0, 31.0), (31.2, 34.32), (34.5, 37.95)]     # 29 → the mark, not 31.9
 
 
 def test_reward_reads_the_last_assistant_message():

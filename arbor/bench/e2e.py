@@ -4,8 +4,8 @@ The task is ``examples/math-word-problems``: its data (``make_data.py``, seed 0:
 held-out), its ``math`` reward (math-verify against the number after ``####``), and its tiny
 character-level model after an SFT stage with the example's settings (``arbor sft``; built once per
 variant and cached in OUT/e2e/sft-<variant>). From that model, each system trains for the variant's
-horizon of wall clock (below), ``--seeds`` times, in a child process of its own with the same torch threads, one run at a
-time:
+horizon of wall clock (below), ``--seeds`` times, in a child process of its own with the same torch
+threads, one run at a time:
 
 - Arbor: the trainer and loop of ``arbor train`` (``arbor.bench.e2e_worker``), Arbor's defaults but for
   the keys the example sets (temperature 0.7, lr 3e-4 with 5 warm-up steps, AdamW betas 0.9/0.999)
@@ -35,9 +35,8 @@ is the median of Arbor's times over the median of TRL's. TRL's runs train on pas
 ``--trl-overtime`` (2) times it, saved at the horizon too (its finals are read there, as Arbor's): a TRL
 run that reaches the threshold only after the horizon is timed, not censored. A TRL median that never
 reaches it within that longer run makes the ratio an upper bound (that run's length used for TRL's time),
-reported as such. There is
-no ratio when that threshold is within evaluation noise of the SFT model's accuracy (``learned``: the gap
-must exceed two binomial standard errors on ``--eval-rows`` rows). Also reported: each system's
+reported as such. There is no ratio when that threshold is within evaluation noise of the SFT model's
+accuracy (``learned``: the gap must exceed two binomial standard errors on ``--eval-rows`` rows). Also reported: each system's
 clock at the end of its first step (start-up included), seconds per step, steps to the threshold.
 Targets (issue 42): plain ≤ 0.5× TRL's time, tool ≤ 0.33×; Arbor's final accuracy no lower than
 TRL's within the seeds' spread (≥ TRL's lowest seed).
@@ -287,9 +286,10 @@ def run(out_dir="benchmarks/results", seconds: float | None = None, save_every=0
             entry["summary"] = summary
             targets += tg
             for k in runs:
+                time_cell = (f"> {summary[k]['limit_s']:g} (median never)" if summary[k]["median_censored"]
+                             else summary[k]["median_time_s"])
                 rows.append([f"{v}: {k}", summary[k]["final_median"], f"{min(summary[k]['final']):.2f}–"
-                             f"{max(summary[k]['final']):.2f}", (f"> {summary[k]['limit_s']:g} (median never)" if summary[k]["median_censored"]
-                                                   else summary[k]["median_time_s"]), ratio_cell(summary) if k == "arbor" else "",
+                             f"{max(summary[k]['final']):.2f}", time_cell, ratio_cell(summary) if k == "arbor" else "",
                              summary[k].get("first_step_end_s", "–"), summary[k].get("step_s", "–"),
                              " ".join(str(n) for n in summary[k].get("steps_to_threshold", ()))])
         result["variants"][v] = entry

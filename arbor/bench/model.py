@@ -62,14 +62,14 @@ def gemm_rate(shape: dict, tokens: int, dtype, device, repeats: int = 9) -> floa
     D = shape["hidden_size"]
     if "num_experts" in shape:
         rows = max(1, tokens * shape["num_experts_per_tok"] // shape["num_experts"])
-        n = 2 * shape["moe_intermediate_size"]
+        width = 2 * shape["moe_intermediate_size"]
     else:
-        rows, n = tokens, 2 * shape["intermediate_size"]
+        rows, width = tokens, 2 * shape["intermediate_size"]
     best = 0.0
-    for m, k, n_ in ((tokens, D, D), (rows, D, n)):
-        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n_, device=device, dtype=dtype)
+    for m, n in ((tokens, D), (rows, width)):
+        a, b = torch.randn(m, D, device=device, dtype=dtype), torch.randn(D, n, device=device, dtype=dtype)
         times = time_interleaved({"mm": lambda: a @ b}, repeats, device=device)["mm"]
-        best = max(best, 2 * m * k * n_ / median(times) / 1e9)
+        best = max(best, 2 * m * D * n / median(times) / 1e9)
     return best
 
 
@@ -117,8 +117,9 @@ def measure(kind: str, dtype: str, batch: int, seq_len: int, repeats: int, devic
            "tokens_per_s": {"transformers": batch * seq_len / t_hf, "arbor": batch * seq_len / t_arbor}}
     flops = step_flops(SHAPES[kind], seq_len, batch)
     rate = gemm_rate(SHAPES[kind], batch * seq_len, DTYPES[dtype], device)
-    out |= {"gflop_per_step": flops / 1e9, "gflop_per_s": {k: flops / t / 1e9 for k, t in out["median_s"].items()},
-            "gemm_gflop_per_s": rate, "speedup_bound": rate / (flops / t_hf / 1e9)}
+    per_s = {k: flops / t / 1e9 for k, t in out["median_s"].items()}
+    out |= {"gflop_per_step": flops / 1e9, "gflop_per_s": per_s, "gemm_gflop_per_s": rate,
+            "speedup_bound": rate / per_s["transformers"]}
     if "num_experts" in SHAPES[kind]:
         out["transformers_experts_implementation"] = hf.config._experts_implementation
     return out
