@@ -5,7 +5,8 @@ EPYC (Zen 5, 2 threads), one causal layer of 4 × 512 tokens, 8 query / 4 key-va
 forward + backward in float32 (62 ms in bfloat16). Here each query block of ``BLOCK`` positions, with the
 g = Hq / Hkv query heads that share a key-value head stacked as its rows (row r ↔ position i0 + r // g),
 meets its whole key range [0, e) at once (e: one past the last key any of its rows sees; the block's
-position end for causal attention), in float32 (float64 for float64 inputs; autocast off) by ``fp32_gemm.mm``:
+position end for causal attention), in float32 (float64 for float64 inputs; autocast off), every (batch row,
+key-value head) pair in one ``torch.bmm`` per product:
 
     forward:  S = (scale·Q) Kᵀ, masked to −∞;  m = max_j S,  P = exp(S − m),  l = Σ_j P,
               O = (P V) / l,  lse = m + log l  (saved, with Q, K, V, O: nothing [T, S] is kept)
@@ -19,8 +20,6 @@ inference mode (the engine keeps its own kernels).
 from __future__ import annotations
 
 import torch
-
-from arbor.kernels.fp32_gemm import mm
 
 BLOCK = 128
 
@@ -63,55 +62,53 @@ class BlockAttention(torch.autograd.Function):
         b, t, hq, d = q.shape
         s, hkv = k.shape[1], k.shape[2]
         g, wide = hq // hkv, torch.promote_types(q.dtype, torch.float32)
-        qs = (q.to(wide) * scale).view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).contiguous()
-        kh = k.to(wide).permute(0, 2, 1, 3).contiguous()
-        vh = v.to(wide).permute(0, 2, 1, 3).contiguous()
+        qs = (q.to(wide) * scale).view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b * hkv, t * g, d)
+        kh = k.to(wide).permute(0, 2, 1, 3).reshape(b * hkv, s, d)
+        vh = v.to(wide).permute(0, 2, 1, 3).reshape(b * hkv, s, d)
         o = torch.empty_like(qs)
-        lse = qs.new_empty(b, hkv, t * g)
-        blocks = _blocks(t, s, g, mask, causal, q.device)
-        for i0, i1, e, visible in blocks:
-            for bi in range(b):
-                for h in range(hkv):
-                    rows = o[bi, h, i0:i1].view(-1, d)
-                    if e == 0:
-                        rows.zero_()
-                        lse[bi, h, i0 * g:i1 * g] = 0
-                        continue
-                    p = mm(qs[bi, h, i0:i1].view(-1, d), kh[bi, h, :e].t())
-                    if visible is not None:
-                        p.masked_fill_(~visible, float("-inf"))
-                    top = p.amax(-1, keepdim=True).clamp_min_(torch.finfo(wide).min)
-                    total = p.sub_(top).exp_().sum(-1, keepdim=True)
-                    rows.copy_(mm(p, vh[bi, h, :e]).div_(total.clamp_min_(torch.finfo(wide).tiny)))
-                    lse[bi, h, i0 * g:i1 * g] = (top + total.log())[:, 0]
+        lse = qs.new_empty(b * hkv, t * g)
+        for i0, i1, e, visible in _blocks(t, s, g, mask, causal, q.device):
+            r0, r1 = i0 * g, i1 * g
+            if e == 0:
+                o[:, r0:r1] = 0
+                lse[:, r0:r1] = 0
+                continue
+            p = torch.bmm(qs[:, r0:r1], kh[:, :e].mT)
+            if visible is not None:
+                p.masked_fill_(~visible, float("-inf"))
+            top = p.amax(-1, keepdim=True).clamp_min_(torch.finfo(wide).min)
+            total = p.sub_(top).exp_().sum(-1, keepdim=True)
+            torch.bmm(p, vh[:, :e], out=o[:, r0:r1])
+            o[:, r0:r1].div_(total.clamp_min_(torch.finfo(wide).tiny))
+            lse[:, r0:r1] = (top + total.log())[..., 0]
         ctx.save_for_backward(qs, kh, vh, o, lse, mask)
-        ctx.scale, ctx.causal, ctx.dtypes = scale, causal, (q.dtype, k.dtype, v.dtype)
-        return o.permute(0, 2, 1, 3, 4).reshape(b, t, hq, d).to(q.dtype)
+        ctx.scale, ctx.causal, ctx.shape, ctx.dtypes = scale, causal, (b, t, hkv, g, d), (q.dtype, k.dtype, v.dtype)
+        return o.view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hq, d).to(q.dtype)
 
     @staticmethod
     @torch.autocast("cpu", enabled=False)
     def backward(ctx, dout):
         qs, kh, vh, o, lse, mask = ctx.saved_tensors
-        b, hkv, t, g, d = qs.shape
-        s = kh.shape[2]
-        do = dout.to(qs.dtype).view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).contiguous()
-        delta = (do * o).sum(-1).view(b, hkv, t * g, 1)
+        b, t, hkv, g, d = ctx.shape
+        s = kh.shape[1]
+        do = dout.to(qs.dtype).view(b, t, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b * hkv, t * g, d)
+        delta = (do * o).sum(-1, keepdim=True)
         dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kh), torch.zeros_like(vh)
         for i0, i1, e, visible in _blocks(t, s, g, mask, ctx.causal, qs.device):
-            for bi in range(b):
-                for h in range(hkv):
-                    dq_rows = dq[bi, h, i0:i1].view(-1, d)
-                    if e == 0:
-                        dq_rows.zero_()
-                        continue
-                    q_rows, do_rows = qs[bi, h, i0:i1].view(-1, d), do[bi, h, i0:i1].view(-1, d)
-                    p = mm(q_rows, kh[bi, h, :e].t())
-                    if visible is not None:
-                        p.masked_fill_(~visible, float("-inf"))
-                    p.sub_(lse[bi, h, i0 * g:i1 * g, None]).exp_()
-                    dv[bi, h, :e] += mm(do_rows.t(), p).t()
-                    ds = mm(do_rows, vh[bi, h, :e].t()).sub_(delta[bi, h, i0 * g:i1 * g]).mul_(p)
-                    dq_rows.copy_(mm(ds, kh[bi, h, :e]).mul_(ctx.scale))
-                    dk[bi, h, :e] += mm(q_rows.t(), ds).t()
-        dq = dq.permute(0, 2, 1, 3, 4).reshape(b, t, hkv * g, d).to(ctx.dtypes[0])
-        return dq, dk.permute(0, 2, 1, 3).to(ctx.dtypes[1]), dv.permute(0, 2, 1, 3).to(ctx.dtypes[2]), None, None, None
+            r0, r1 = i0 * g, i1 * g
+            if e == 0:
+                dq[:, r0:r1] = 0
+                continue
+            q_rows, do_rows = qs[:, r0:r1], do[:, r0:r1]
+            p = torch.bmm(q_rows, kh[:, :e].mT)
+            if visible is not None:
+                p.masked_fill_(~visible, float("-inf"))
+            p.sub_(lse[:, r0:r1, None]).exp_()
+            dv[:, :e].baddbmm_(p.mT, do_rows)
+            ds = torch.bmm(do_rows, vh[:, :e].mT).sub_(delta[:, r0:r1]).mul_(p)
+            torch.bmm(ds, kh[:, :e], out=dq[:, r0:r1])
+            dk[:, :e].baddbmm_(ds.mT, q_rows)
+        dq = dq.mul_(ctx.scale).view(b, hkv, t, g, d).permute(0, 2, 1, 3, 4).reshape(b, t, hkv * g, d)
+        dk = dk.view(b, hkv, s, d).permute(0, 2, 1, 3)
+        dv = dv.view(b, hkv, s, d).permute(0, 2, 1, 3)
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None, None
