@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.kernels import fp32_gemm
+from arbor.kernels import fp32_gemm, train_ops
 from arbor.models.layers import MLP, Linear
 from arbor.models.rows import take_rows
 
@@ -68,9 +68,7 @@ class RoutedRows(torch.autograd.Function):
         y = x.new_empty(x.shape[0], down.shape[1])
         for e, a, b in spans:
             fp32_gemm.mm_into(h[a:b], x[a:b], gate_up[e].t())
-        act = F.silu(h[:, :inter]).mul_(h[:, inter:])
-        if w is not None:
-            act.mul_(w[:, None])
+        act = _swiglu(h, w)
         for e, a, b in spans:
             fp32_gemm.mm_into(y[a:b], act[a:b], down[e].t())
         ctx.spans = spans
@@ -82,23 +80,27 @@ class RoutedRows(torch.autograd.Function):
         x, w, gate_up, down, h = ctx.saved_tensors
         need_x, need_w, need_gu, need_down, _ = ctx.needs_input_grad
         inter, spans = down.shape[2], ctx.spans
-        g, u = h[:, :inter], h[:, inter:]
-        silu_g = F.silu(g)
         dout = dout.contiguous()
-        act = silu_g * u                                 # recomputed: cheaper than keeping [R, I]
-        weighted = act * w[:, None] if w is not None and need_down else act
+        fused = train_ops.available(h, *([] if w is None else [w]))
+        weighted = _swiglu(h, w) if need_down else None  # recomputed: cheaper than keeping [R, I]
         d_down = _empty_grad(down, spans) if need_down else None
         da = dout.new_empty(dout.shape[0], inter)
         for e, a, b in spans:
             fp32_gemm.mm_into(da[a:b], dout[a:b], down[e])
             if need_down:
                 fp32_gemm.mm_into(d_down[e], dout[a:b].t(), weighted[a:b])
-        dw = (da * act).sum(-1) if need_w else None
-        if w is not None:
-            da.mul_(w[:, None])
-        dh = torch.empty_like(h)
-        torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dh[:, :inter])
-        torch.mul(da, silu_g, out=dh[:, inter:])
+        if fused:
+            dh, dw = train_ops.swiglu_backward(h, w, da, need_w)
+            dw = None if dw is None else dw.to(w.dtype)
+        else:
+            g, u = h[:, :inter], h[:, inter:]
+            silu_g = F.silu(g)
+            dw = (da * (silu_g * u)).sum(-1) if need_w else None
+            if w is not None:
+                da.mul_(w[:, None])
+            dh = torch.empty_like(h)
+            torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dh[:, :inter])
+            torch.mul(da, silu_g, out=dh[:, inter:])
         dx = torch.empty_like(x) if need_x else None
         d_gate_up = _empty_grad(gate_up, spans) if need_gu else None
         for e, a, b in spans:
@@ -107,6 +109,15 @@ class RoutedRows(torch.autograd.Function):
             if need_gu:
                 fp32_gemm.mm_into(d_gate_up[e], dh[a:b].t(), x[a:b])
         return dx, dw, d_gate_up, d_down, None
+
+
+def _swiglu(h: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """h [R, 2I] = [g | u] → ``silu(g) · u`` [R, I], times w [R] when given (``train_ops`` in bfloat16)."""
+    if train_ops.available(h, *([] if w is None else [w])):
+        return train_ops.swiglu(h, w)
+    inter = h.shape[1] // 2
+    act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+    return act if w is None else act.mul_(w[:, None])
 
 
 def _empty_grad(weight: torch.Tensor, spans) -> torch.Tensor:

@@ -1,0 +1,113 @@
+/* Fused bfloat16 element-wise ops of the trainer, forward and backward, over rows split between threads
+   (loaded by arbor/kernels/train_ops.py). Every value is float32 between a bfloat16 load and a bfloat16
+   store; the forwards round where PyTorch's bfloat16 expressions round (arbor/models/layers.py, moe.py).
+
+   rms_norm_fwd:  r = 1 / sqrt(mean(x²) + eps),  x̂ = x · r,  y = bf16(w · bf16(x̂))         (saves r)
+   rms_norm_bwd:  ĝ = g · w,  dx = r · (ĝ − x̂ · mean(ĝ ∘ x̂)),  dw = Σ_rows g · bf16(x̂)
+   swiglu_fwd:    a = bf16(bf16(silu(h_g)) · h_u),  out = bf16(a · c)  (c: the row's weight, or 1)
+   swiglu_bwd:    given da (∂ of the weighted a): dc = Σ_I da · a,  t = da · c,
+                  dh_g = t · h_u · σ(h_g) (1 + h_g (1 − σ(h_g))),  dh_u = t · silu(h_g)          */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+static inline float f(bf16 h) { uint32_t u = (uint32_t)h << 16; float x; memcpy(&x, &u, 4); return x; }
+static inline bf16 b(float x) { uint32_t u; memcpy(&u, &x, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (bf16)(u >> 16); }
+
+/* e^x in float32 within ~1 ulp (as cpu_ops.c's exp_f32), clamped to e^x's normal range */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    union { uint32_t u; float f; } scale = { .u = (uint32_t)((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
+/* x, y: contiguous [rows, D]; w [D]; rstd [rows] */
+void rms_norm_fwd(const bf16 *restrict x, const bf16 *restrict w, bf16 *restrict y, float *restrict rstd, long rows,
+                  int D, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < rows; t++) {
+        const bf16 *xt = x + t * D;
+        bf16 *yt = y + t * D;
+        float ss = 0.f;
+        #pragma omp simd reduction(+:ss)
+        for (int i = 0; i < D; i++) { float v = f(xt[i]); ss += v * v; }
+        const float r = 1.f / sqrtf(ss / D + eps);
+        rstd[t] = r;
+        #pragma omp simd
+        for (int i = 0; i < D; i++) yt[i] = b(f(w[i]) * f(b(f(xt[i]) * r)));
+    }
+}
+
+/* g, dx: contiguous [rows, D]; dw_parts: float32 [threads, D], zeroed, summed by the caller */
+void rms_norm_bwd(const bf16 *restrict x, const bf16 *restrict w, const float *restrict rstd, const bf16 *restrict g,
+                  bf16 *restrict dx, float *restrict dw_parts, long rows, int D, int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        float *restrict dw = dw_parts + (long)omp_get_thread_num() * D;
+        #pragma omp for schedule(static)
+        for (long t = 0; t < rows; t++) {
+            const bf16 *xt = x + t * D, *gt = g + t * D;
+            bf16 *dxt = dx + t * D;
+            const float r = rstd[t];
+            float dot = 0.f;
+            #pragma omp simd reduction(+:dot)
+            for (int i = 0; i < D; i++) dot += f(gt[i]) * f(w[i]) * (f(xt[i]) * r);
+            const float m = dot / D;
+            #pragma omp simd
+            for (int i = 0; i < D; i++) {
+                const float xh = f(xt[i]) * r, gi = f(gt[i]);
+                dxt[i] = b(r * (gi * f(w[i]) - xh * m));
+                dw[i] += gi * f(b(xh));
+            }
+        }
+    }
+}
+
+/* h: [rows, 2I] (gate | up, row stride 2I); c: [rows] or NULL; out: contiguous [rows, I] */
+void swiglu_fwd(const bf16 *restrict h, const bf16 *restrict c, bf16 *restrict out, long rows, int I, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < rows; t++) {
+        const bf16 *g = h + t * 2 * I, *u = g + I;
+        bf16 *o = out + t * I;
+        const float ct = c ? f(c[t]) : 1.f;
+        #pragma omp simd
+        for (int i = 0; i < I; i++) {
+            const float x = f(g[i]);
+            const float a = f(b(f(b(x / (1.f + exp_f32(-x)))) * f(u[i])));
+            o[i] = c ? b(a * ct) : b(a);
+        }
+    }
+}
+
+/* h as above; da: contiguous [rows, I]; c, dc: [rows] or NULL; dh: contiguous [rows, 2I] */
+void swiglu_bwd(const bf16 *restrict h, const bf16 *restrict c, const bf16 *restrict da, bf16 *restrict dh,
+                float *restrict dc, long rows, int I, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < rows; t++) {
+        const bf16 *g = h + t * 2 * I, *u = g + I, *dat = da + t * I;
+        bf16 *dg = dh + t * 2 * I, *du = dg + I;
+        const float ct = c ? f(c[t]) : 1.f;
+        float dot = 0.f;
+        #pragma omp simd reduction(+:dot)
+        for (int i = 0; i < I; i++) {
+            const float x = f(g[i]), s = 1.f / (1.f + exp_f32(-x)), silu = x * s, ui = f(u[i]);
+            const float d = f(dat[i]), tt = d * ct;
+            dot += d * f(b(f(b(silu)) * ui));
+            dg[i] = b(tt * ui * s * (1.f + x * (1.f - s)));
+            du[i] = b(tt * silu);
+        }
+        if (dc) dc[t] = dot;
+    }
+}

@@ -1,0 +1,103 @@
+"""Fused bfloat16 RMSNorm and SwiGLU for the trainer, forward and backward (``train_ops.c``), built by
+``arbor.kernels.native`` with ``-O3 -march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding
+and subtracting 1.5 · 2²³), threads from ``thread_budget()``.
+
+PyTorch runs a bfloat16 RMSNorm as a float32 upcast, five element-wise ops and a cast, each a pass over
+memory, and autograd saves their intermediates; here each is one pass forward and one backward. The
+forwards equal the PyTorch expressions (``layers.rms_norm``, ``moe.RoutedRows``) except where a float32
+sum taken in another order rounds to the other bfloat16 neighbour; the backwards keep float32 between
+loads and stores where PyTorch rounds ĝ = g · w and t = da · c to bfloat16. CPU bfloat16 tensors only;
+where the library cannot be built (or ``ARBOR_CPU_KERNELS=0``), ``available()`` is False and callers keep
+their PyTorch expressions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from arbor.kernels import native
+from arbor.kernels.threads import thread_budget
+
+
+@cache
+def _lib():
+    lib = native.build(Path(__file__).with_name("train_ops.c"), ["-O3", "-march=native", "-fopenmp"])
+    if lib is None:
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.rms_norm_fwd.argtypes = [p, p, p, p, i64, i32, f32, i32]
+    lib.rms_norm_bwd.argtypes = [p, p, p, p, p, p, i64, i32, i32]
+    lib.swiglu_fwd.argtypes = [p, p, p, i64, i32, i32]
+    lib.swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32, i32]
+    for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.swiglu_fwd, lib.swiglu_bwd):
+        fn.restype = None
+    return lib
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops serve these tensors: all bfloat16 on CPU, library built."""
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and _lib() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """The address of t's first element (t contiguous), None for None."""
+    if t is not None and not t.is_contiguous():
+        raise ValueError("train_ops takes contiguous tensors")
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · bf16(rmsnorm(x))`` over x's last dim, weight [D]; differentiable in x and weight."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        d = x.shape[-1]
+        rows = x.reshape(-1, d).contiguous()
+        y = torch.empty_like(rows)
+        rstd = torch.empty(rows.shape[0], dtype=torch.float32)
+        w = weight.contiguous()
+        with native.profiled("arbor::rms_norm_fwd"):
+            _lib().rms_norm_fwd(rows.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], d,
+                                eps, thread_budget())
+        ctx.save_for_backward(rows, w, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, w, rstd = ctx.saved_tensors
+        g = grad.reshape(rows.shape).to(torch.bfloat16).contiguous()
+        dx = torch.empty_like(rows)
+        threads = thread_budget()
+        parts = torch.zeros(threads, rows.shape[1], dtype=torch.float32)
+        with native.profiled("arbor::rms_norm_bwd"):
+            _lib().rms_norm_bwd(rows.data_ptr(), w.data_ptr(), rstd.data_ptr(), g.data_ptr(), dx.data_ptr(),
+                                parts.data_ptr(), rows.shape[0], rows.shape[1], threads)
+        return dx.view(ctx.shape), parts.sum(0).to(w.dtype), None
+
+
+def swiglu(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """h [R, 2I] contiguous ([gate | up] rows) → ``bf16(silu(gate) · up)`` [R, I], times weights [R] when
+    given (rounded again, as ``act.mul_(w)``); not differentiable (``swiglu_backward`` is its backward)."""
+    rows, inter = h.shape[0], h.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=h.dtype)
+    with native.profiled("arbor::swiglu_fwd"):
+        _lib().swiglu_fwd(_ptr(h), _ptr(weights), out.data_ptr(), rows, inter, thread_budget())
+    return out
+
+
+def swiglu_backward(h: torch.Tensor, weights: torch.Tensor | None, da: torch.Tensor, need_weights: bool):
+    """∂ of ``swiglu(h, weights)`` given da [R, I] contiguous → (dh [R, 2I], d weights [R] float32 or None)."""
+    dh = torch.empty_like(h)
+    dc = torch.empty(h.shape[0], dtype=torch.float32) if need_weights else None
+    with native.profiled("arbor::swiglu_bwd"):
+        _lib().swiglu_bwd(_ptr(h), _ptr(weights), _ptr(da), dh.data_ptr(), _ptr(dc), h.shape[0],
+                          h.shape[1] // 2, thread_budget())
+    return dh, dc
