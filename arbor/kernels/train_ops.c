@@ -4,6 +4,11 @@
 
    rms_norm_fwd:  r = 1 / sqrt(mean(x²) + eps),  x̂ = x · r,  y = bf16(w · bf16(x̂))         (saves r)
    rms_norm_bwd:  ĝ = g · w,  dx = r · (ĝ − x̂ · mean(ĝ ∘ x̂)),  dw = Σ_rows g · bf16(x̂)
+   qk_norm_rope_fwd: per head of [T, Hq + Hk, D] (q heads with weight wq, then k heads with wk): y = rms_norm(x),
+                  then the first R channels rotate: y' = bf16(bf16(y · cos) + bf16(rotate_half(y) · sin)),
+                  rotate_half(y) = (−y[R/2:R], y[:R/2]); channels ≥ R pass                 (saves r per head)
+   qk_norm_rope_bwd: ∂y_i = g_i cos_i + (i < R/2 ? g_{i+R/2} sin_{i+R/2} : −g_{i−R/2} sin_{i−R/2}) (i < R;
+                  ∂y_i = g_i beyond), then rms_norm_bwd's formulas per head
    swiglu_fwd:    a = bf16(bf16(silu(h_g)) · h_u),  out = bf16(a · c)  (c: the row's weight, or 1)
    swiglu_bwd:    given da (∂ of the weighted a): dc = Σ_I da · a,  t = da · c,
                   dh_g = t · h_u · σ(h_g) (1 + h_g (1 − σ(h_g))),  dh_u = t · silu(h_g)          */
@@ -70,6 +75,72 @@ void rms_norm_bwd(const bf16 *restrict x, const bf16 *restrict w, const float *r
                 const float xh = f(xt[i]) * r, gi = f(gt[i]);
                 dxt[i] = b(r * (gi * f(w[i]) - xh * m));
                 dw[i] += gi * f(b(xh));
+            }
+        }
+    }
+}
+
+/* x, y: contiguous [T, H, D], heads [0, Hq) normed by wq, [Hq, H) by wk; cos, sin [T, R]; rstd [T, H] */
+void qk_norm_rope_fwd(const bf16 *restrict x, const bf16 *restrict wq, const bf16 *restrict wk,
+                      const bf16 *restrict cos, const bf16 *restrict sin, bf16 *restrict y, float *restrict rstd,
+                      long T, int H, int Hq, int D, int R, float eps, int threads) {
+    const int h = R / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const bf16 *c = cos + t * R, *s = sin + t * R;
+        float n[D];
+        for (int j = 0; j < H; j++) {
+            const bf16 *xr = x + (t * H + j) * D, *w = j < Hq ? wq : wk;
+            bf16 *yr = y + (t * H + j) * D;
+            float ss = 0.f;
+            #pragma omp simd reduction(+:ss)
+            for (int i = 0; i < D; i++) { float v = f(xr[i]); ss += v * v; }
+            const float r = 1.f / sqrtf(ss / D + eps);
+            rstd[t * H + j] = r;
+            #pragma omp simd
+            for (int i = 0; i < D; i++) n[i] = f(b(f(w[i]) * f(b(f(xr[i]) * r))));
+            #pragma omp simd
+            for (int i = 0; i < h; i++) yr[i] = b(f(b(n[i] * f(c[i]))) + f(b(-n[i + h] * f(s[i]))));
+            #pragma omp simd
+            for (int i = h; i < R; i++) yr[i] = b(f(b(n[i] * f(c[i]))) + f(b(n[i - h] * f(s[i]))));
+            for (int i = R; i < D; i++) yr[i] = b(n[i]);
+        }
+    }
+}
+
+/* g, dx: contiguous [T, H, D]; dw_parts: float32 [threads, 2, D] (wq's, then wk's), zeroed, summed by the caller */
+void qk_norm_rope_bwd(const bf16 *restrict x, const bf16 *restrict wq, const bf16 *restrict wk,
+                      const bf16 *restrict cos, const bf16 *restrict sin, const float *restrict rstd,
+                      const bf16 *restrict g, bf16 *restrict dx, float *restrict dw_parts, long T, int H, int Hq, int D,
+                      int R, int threads) {
+    const int h = R / 2;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *restrict dws = dw_parts + (long)omp_get_thread_num() * 2 * D;
+        float dy[D];
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            const bf16 *c = cos + t * R, *s = sin + t * R;
+            for (int j = 0; j < H; j++) {
+                const bf16 *xr = x + (t * H + j) * D, *gr = g + (t * H + j) * D, *w = j < Hq ? wq : wk;
+                float *restrict dw = dws + (j < Hq ? 0 : D);
+                bf16 *dxr = dx + (t * H + j) * D;
+                const float r = rstd[t * H + j];
+                #pragma omp simd
+                for (int i = 0; i < h; i++) dy[i] = f(gr[i]) * f(c[i]) + f(gr[i + h]) * f(s[i + h]);
+                #pragma omp simd
+                for (int i = h; i < R; i++) dy[i] = f(gr[i]) * f(c[i]) - f(gr[i - h]) * f(s[i - h]);
+                for (int i = R; i < D; i++) dy[i] = f(gr[i]);
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int i = 0; i < D; i++) dot += dy[i] * f(w[i]) * (f(xr[i]) * r);
+                const float m = dot / D;
+                #pragma omp simd
+                for (int i = 0; i < D; i++) {
+                    const float xh = f(xr[i]) * r;
+                    dxr[i] = b(r * (dy[i] * f(w[i]) - xh * m));
+                    dw[i] += dy[i] * f(b(xh));
+                }
             }
         }
     }

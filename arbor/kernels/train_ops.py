@@ -1,4 +1,4 @@
-"""Fused bfloat16 RMSNorm and SwiGLU for the trainer, forward and backward (``train_ops.c``), built by
+"""Fused bfloat16 RMSNorm, q/k-norm + RoPE and SwiGLU for the trainer, forward and backward (``train_ops.c``), built by
 ``arbor.kernels.native`` with ``-O3 -march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding
 and subtracting 1.5 · 2²³), threads from ``thread_budget()``.
 
@@ -31,9 +31,12 @@ def _lib():
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.rms_norm_fwd.argtypes = [p, p, p, p, i64, i32, f32, i32]
     lib.rms_norm_bwd.argtypes = [p, p, p, p, p, p, i64, i32, i32]
+    lib.qk_norm_rope_fwd.argtypes = [p, p, p, p, p, p, p, i64, i32, i32, i32, i32, f32, i32]
+    lib.qk_norm_rope_bwd.argtypes = [p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32]
     lib.swiglu_fwd.argtypes = [p, p, p, i64, i32, i32]
     lib.swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32, i32]
-    for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.swiglu_fwd, lib.swiglu_bwd):
+    for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.qk_norm_rope_fwd, lib.qk_norm_rope_bwd, lib.swiglu_fwd,
+               lib.swiglu_bwd):
         fn.restype = None
     return lib
 
@@ -81,6 +84,46 @@ class _RMSNorm(torch.autograd.Function):
             _lib().rms_norm_bwd(rows.data_ptr(), w.data_ptr(), rstd.data_ptr(), g.data_ptr(), dx.data_ptr(),
                                 parts.data_ptr(), rows.shape[0], rows.shape[1], threads)
         return dx.view(ctx.shape), parts.sum(0).to(w.dtype), None
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """q [T, Hq, D], k [T, Hk, D], per-head norm weights wq, wk [D], cos/sin [T, R] → [T, Hq + Hk, D]: each
+    head RMS-normed then its first R channels rotated (``layers.apply_rope``); differentiable in q, k, wq, wk."""
+    return _QkNormRope.apply(q, k, wq, wk, cos, sin, eps)
+
+
+class _QkNormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, wq, wk, cos, sin, eps):
+        t, hq, d = q.shape
+        x = torch.cat((q, k), 1)
+        y = torch.empty_like(x)
+        rstd = torch.empty(t, x.shape[1], dtype=torch.float32)
+        wq, wk = wq.contiguous(), wk.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        with native.profiled("arbor::qk_norm_rope_fwd"):
+            _lib().qk_norm_rope_fwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    y.data_ptr(), rstd.data_ptr(), t, x.shape[1], hq, d, cos.shape[1], eps,
+                                    thread_budget())
+        ctx.save_for_backward(x, wq, wk, cos, sin, rstd)
+        ctx.hq = hq
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, wq, wk, cos, sin, rstd = ctx.saved_tensors
+        t, h, d = x.shape
+        g = grad.to(torch.bfloat16).contiguous()
+        dx = torch.empty_like(x)
+        threads = thread_budget()
+        parts = torch.zeros(threads, 2, d, dtype=torch.float32)
+        with native.profiled("arbor::qk_norm_rope_bwd"):
+            _lib().qk_norm_rope_bwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    rstd.data_ptr(), g.data_ptr(), dx.data_ptr(), parts.data_ptr(), t, h, ctx.hq, d,
+                                    cos.shape[1], threads)
+        dw = parts.sum(0).to(wq.dtype)
+        return dx[:, :ctx.hq], dx[:, ctx.hq:], dw[0], dw[1], None, None, None
 
 
 def swiglu(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arbor.kernels import cpu_ops
+from arbor.kernels import cpu_ops, train_ops
 from arbor.models.block_attention import BLOCK, block_attention
 from arbor.models.layers import Linear, RMSNorm, apply_rope, rms_norm
 
@@ -197,6 +197,9 @@ class SoftmaxAttention(nn.Module):
         wq, wk = self.q_norm.weight, self.k_norm.weight
         if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q, self.engine_owned):
             return cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps)
+        if (not self.q_norm.zero_centred and not torch.is_inference_mode_enabled()
+                and train_ops.available(q, k, wq, wk, cos, sin)):            # the trainer, bf16 CPU
+            return train_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps).split((hq, hk), 1)
         weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))
         qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)
         return apply_rope(qk, cos, sin).split((hq, hk), 1)

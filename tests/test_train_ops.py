@@ -1,0 +1,109 @@
+"""The trainer's fused bfloat16 ops (``arbor/kernels/train_ops.py``): forwards equal PyTorch's bfloat16
+expressions, backwards within PyTorch's own bfloat16 error of float64, and the models take them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import profile
+
+from arbor.kernels import train_ops
+from arbor.models import CausalLM, ModelConfig, VarlenAttention
+from arbor.models.layers import Rotary, apply_rope, rms_norm
+
+pytestmark = pytest.mark.skipif(not train_ops.available(torch.zeros(1, dtype=torch.bfloat16)),
+                                reason="train_ops not built here (ARBOR_CPU_KERNELS=0 or no C compiler)")
+
+
+def grads(fn, inputs, g, dtype):
+    """fn on inputs (float64 tensors) rounded to bf16 then cast to dtype → [out, ∂ each input] in float64."""
+    xs = [x.bfloat16().to(dtype).requires_grad_() for x in inputs]
+    out = fn(*xs)
+    out.backward(g.bfloat16().to(dtype))
+    return [out.double()] + [x.grad.double() for x in xs]
+
+
+def check(fn_ours, fn_torch, inputs, g):
+    """Forward: equal to PyTorch's bfloat16 expression except where a float32 sum in another order rounds to
+    the other neighbour (≤ 1e-4 of the elements). Backward: each gradient's error against float64 at most
+    PyTorch's bfloat16 error plus half a bfloat16 step at the largest value (2⁻⁸·max: both round their
+    final result to bfloat16; ours keeps float32 where PyTorch rounds in between, measured 0.4–1.0×)."""
+    exact = grads(fn_torch, inputs, g, torch.float64)
+    ours = grads(fn_ours, inputs, g, torch.bfloat16)
+    theirs = grads(fn_torch, inputs, g, torch.bfloat16)
+    assert (ours[0] != theirs[0]).double().mean() <= 1e-4
+    for a, b, e in zip(ours[1:], theirs[1:], exact[1:]):
+        assert (a - e).abs().max() <= (b - e).abs().max() + 2 ** -8 * e.abs().max()
+
+
+def test_rms_norm_matches_the_pytorch_expression():
+    torch.manual_seed(0)
+    x, w, g = torch.randn(300, 256, dtype=torch.float64) * 3, 1 + 0.1 * torch.randn(256, dtype=torch.float64), \
+        torch.randn(300, 256, dtype=torch.float64)
+
+    def expression(x, w):
+        return w * F.rms_norm(x.float() if x.dtype == torch.bfloat16 else x, x.shape[-1:], None, 1e-6).to(x.dtype)
+    check(lambda x, w: train_ops.rms_norm(x, w, 1e-6), expression, [x, w], g)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_qk_norm_rope_matches_norm_then_rope(rotary_dim):
+    """GQA heads (6 query, 2 key-value) of 64 channels, whole and partial rotary."""
+    torch.manual_seed(1)
+    t, hq, hk, d = 200, 6, 2, 64
+    cos, sin = Rotary(rotary_dim, 10000.0)(torch.arange(t) % 97, torch.bfloat16)
+    q, k = torch.randn(t, hq, d, dtype=torch.float64) * 2, torch.randn(t, hk, d, dtype=torch.float64)
+    wq, wk = (1 + 0.1 * torch.randn(d, dtype=torch.float64) for _ in range(2))
+    g = torch.randn(t, hq + hk, d, dtype=torch.float64)
+
+    def expression(q, k, wq, wk):
+        weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))
+        return apply_rope(rms_norm(torch.cat((q, k), 1), weight, 1e-6), cos.to(q.dtype), sin.to(q.dtype))
+    check(lambda q, k, wq, wk: train_ops.qk_norm_rope(q, k, wq, wk, cos, sin, 1e-6), expression, [q, k, wq, wk], g)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_swiglu_matches_silu_times_up(weighted):
+    torch.manual_seed(2)
+    rows, inter = 257, 96
+    h, c, g = torch.randn(rows, 2 * inter, dtype=torch.float64) * 2, torch.rand(rows, dtype=torch.float64), \
+        torch.randn(rows, inter, dtype=torch.float64)
+
+    def expression(h, c):
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        return act * c[:, None] if weighted else act + 0 * c[:, None]
+
+    class Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, c):
+            ctx.save_for_backward(h, c)
+            return train_ops.swiglu(h, c if weighted else None)
+
+        @staticmethod
+        def backward(ctx, da):
+            h, c = ctx.saved_tensors
+            dh, dc = train_ops.swiglu_backward(h, c if weighted else None, da.contiguous(), weighted)
+            return dh, dc.to(c.dtype) if weighted else torch.zeros_like(c)
+    check(Fused.apply, expression, [h, c], g)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_bfloat16_training_steps_take_the_fused_ops(moe):
+    """A bf16 CPU fwd + bwd runs the fused norm, q/k-norm + RoPE (and, with experts, SwiGLU) kernels;
+    inference mode (the engine) does not."""
+    cfg = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    if moe:
+        cfg |= dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=32)
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (40,))
+    attn = VarlenAttention.from_lengths([40])
+    with profile() as p:
+        model.logits(model(ids, attn).hidden).float().sum().backward()
+    names = {e.key for e in p.key_averages()}
+    wanted = {"arbor::rms_norm_fwd", "arbor::rms_norm_bwd", "arbor::qk_norm_rope_fwd", "arbor::qk_norm_rope_bwd"}
+    assert wanted | ({"arbor::swiglu_fwd", "arbor::swiglu_bwd"} if moe else set()) <= names
+    with torch.inference_mode(), profile() as p:
+        model(ids, attn)
+    assert not any(e.key.startswith("arbor::qk_norm_rope") for e in p.key_averages())
