@@ -9,6 +9,12 @@
                   rotate_half(y) = (−y[R/2:R], y[:R/2]); channels ≥ R pass                 (saves r per head)
    qk_norm_rope_bwd: ∂y_i = g_i cos_i + (i < R/2 ? g_{i+R/2} sin_{i+R/2} : −g_{i−R/2} sin_{i−R/2}) (i < R;
                   ∂y_i = g_i beyond), then rms_norm_bwd's formulas per head
+   softmax_rows:  per row of S (float32, masked columns −∞): m = max, l = Σ exp(S − m), P̂ = bf16(exp(S − m) / l),
+                  lse = m + log l (0 and P̂ = 0 for a row that sees nothing)           (block attention's forward)
+   exp_rows:      P = exp(scale · X) from bf16 X, masked columns 0; writes P and bf16(P)   (its backward)
+   scaled_product: out = bf16(scale · P ∘ D), P float32, D bf16                       (its ∂S)
+   Attention rows: N · R rows of e columns; columns [c, e) of row r are masked where visible[r, j − c] is 0
+   (visible: uint8 [R, e − c], the same for every n; NULL: none masked).
    swiglu_fwd:    a = bf16(bf16(silu(h_g)) · h_u),  out = bf16(a · c)  (c: the row's weight, or 1)
    swiglu_bwd:    given da (∂ of the weighted a): dc = Σ_I da · a,  t = da · c,
                   dh_g = t · h_u · σ(h_g) (1 + h_g (1 − σ(h_g))),  dh_u = t · silu(h_g)          */
@@ -144,6 +150,58 @@ void qk_norm_rope_bwd(const bf16 *restrict x, const bf16 *restrict wq, const bf1
             }
         }
     }
+}
+
+void softmax_rows(float *restrict s, long N, int R, int e, int c, const uint8_t *restrict visible,
+                  bf16 *restrict probs, float *restrict lse, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long row = 0; row < N * R; row++) {
+        float *x = s + row * e;
+        bf16 *o = probs + row * e;
+        if (visible) {
+            const uint8_t *v = visible + (row % R) * (e - c);
+            #pragma omp simd
+            for (int j = c; j < e; j++) x[j] = v[j - c] ? x[j] : -INFINITY;
+        }
+        float m = -INFINITY;
+        #pragma omp simd reduction(max:m)
+        for (int j = 0; j < e; j++) m = x[j] > m ? x[j] : m;
+        if (m == -INFINITY) {
+            memset(o, 0, (size_t)e * sizeof(bf16));
+            lse[row] = 0.f;
+            continue;
+        }
+        float sum = 0.f;
+        #pragma omp simd reduction(+:sum)
+        for (int j = 0; j < e; j++) { x[j] = x[j] == -INFINITY ? 0.f : exp_f32(x[j] - m); sum += x[j]; }
+        const float inv = 1.f / sum;
+        #pragma omp simd
+        for (int j = 0; j < e; j++) o[j] = b(x[j] * inv);
+        lse[row] = m + logf(sum);
+    }
+}
+
+void exp_rows(const bf16 *restrict x, long N, int R, int e, int c, const uint8_t *restrict visible, float scale,
+              float *restrict p, bf16 *restrict pb, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long row = 0; row < N * R; row++) {
+        const bf16 *xr = x + row * e;
+        float *pr = p + row * e;
+        bf16 *br = pb + row * e;
+        #pragma omp simd
+        for (int j = 0; j < e; j++) { pr[j] = exp_f32(scale * f(xr[j])); br[j] = b(pr[j]); }
+        if (visible) {
+            const uint8_t *v = visible + (row % R) * (e - c);
+            #pragma omp simd
+            for (int j = c; j < e; j++) { pr[j] = v[j - c] ? pr[j] : 0.f; br[j] = v[j - c] ? br[j] : 0; }
+        }
+    }
+}
+
+void scaled_product(const float *restrict p, const bf16 *restrict d, float scale, bf16 *restrict out, long n,
+                    int threads) {
+    #pragma omp parallel for simd num_threads(threads) schedule(static)
+    for (long i = 0; i < n; i++) out[i] = b(scale * p[i] * f(d[i]));
 }
 
 /* h: [rows, 2I] (gate | up, row stride 2I); c: [rows] or NULL; out: contiguous [rows, I] */

@@ -33,10 +33,13 @@ def _lib():
     lib.rms_norm_bwd.argtypes = [p, p, p, p, p, p, i64, i32, i32]
     lib.qk_norm_rope_fwd.argtypes = [p, p, p, p, p, p, p, i64, i32, i32, i32, i32, f32, i32]
     lib.qk_norm_rope_bwd.argtypes = [p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32]
+    lib.softmax_rows.argtypes = [p, i64, i32, i32, i32, p, p, p, i32]
+    lib.exp_rows.argtypes = [p, i64, i32, i32, i32, p, f32, p, p, i32]
+    lib.scaled_product.argtypes = [p, p, f32, p, i64, i32]
     lib.swiglu_fwd.argtypes = [p, p, p, i64, i32, i32]
     lib.swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32, i32]
-    for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.qk_norm_rope_fwd, lib.qk_norm_rope_bwd, lib.swiglu_fwd,
-               lib.swiglu_bwd):
+    for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.qk_norm_rope_fwd, lib.qk_norm_rope_bwd, lib.softmax_rows,
+               lib.exp_rows, lib.scaled_product, lib.swiglu_fwd, lib.swiglu_bwd):
         fn.restype = None
     return lib
 
@@ -124,6 +127,39 @@ class _QkNormRope(torch.autograd.Function):
                                     cos.shape[1], threads)
         dw = parts.sum(0).to(wq.dtype)
         return dx[:, :ctx.hq], dx[:, ctx.hq:], dw[0], dw[1], None, None, None
+
+
+def softmax_rows(s: torch.Tensor, c: int, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """s [N, R, e] float32 contiguous (overwritten) → (bf16 softmax rows [N, R, e], lse [N, R] float32); columns
+    [c, e) of row r masked where ``visible`` [R, e − c] (bool, the same for every n) is False; a row that sees
+    nothing gives 0 and lse 0."""
+    n, r, e = s.shape
+    probs = torch.empty(s.shape, dtype=torch.bfloat16)
+    lse = torch.empty(n, r, dtype=torch.float32)
+    vis = None if visible is None else visible.contiguous()
+    with native.profiled("arbor::softmax_rows"):
+        _lib().softmax_rows(_ptr(s), n, r, e, c, _ptr(vis), probs.data_ptr(), lse.data_ptr(), thread_budget())
+    return probs, lse
+
+
+def exp_rows(x: torch.Tensor, scale: float, c: int, visible: torch.Tensor | None):
+    """x [N, R, e] bf16 contiguous → (P = exp(scale · x) float32, bf16(P)), masked columns (as in
+    ``softmax_rows``) 0."""
+    n, r, e = x.shape
+    p = torch.empty(x.shape, dtype=torch.float32)
+    pb = torch.empty(x.shape, dtype=torch.bfloat16)
+    vis = None if visible is None else visible.contiguous()
+    with native.profiled("arbor::exp_rows"):
+        _lib().exp_rows(_ptr(x), n, r, e, c, _ptr(vis), scale, p.data_ptr(), pb.data_ptr(), thread_budget())
+    return p, pb
+
+
+def scaled_product(p: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tensor:
+    """bf16(scale · p ∘ d), p float32 and d bf16 of one shape, contiguous."""
+    out = torch.empty(p.shape, dtype=torch.bfloat16)
+    with native.profiled("arbor::scaled_product"):
+        _lib().scaled_product(_ptr(p), _ptr(d), scale, out.data_ptr(), p.numel(), thread_budget())
+    return out
 
 
 def swiglu(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:

@@ -23,7 +23,8 @@ with c = lse / scale and Δ each split into bfloat16 hi + lo,
 
 so P = exp(scale · (S/scale − c)) has relative error ≤ 2⁻⁹·|log P| (P·|log P| ≤ 1/e: below the
 bfloat16 rounding of P that FlashAttention applies) and ∂P − Δ is rounded once, like ∂S after it. ∂K
-and ∂V sum their query blocks' bfloat16 products in float32.
+and ∂V sum their query blocks' bfloat16 products in float32. The element-wise steps between the GEMMs
+(masking, softmax, exp, scale · P ∘ (∂P − Δ)) run as one pass each in ``train_ops`` where it is built.
 
 A row that sees no key gives 0 (SDPA gives NaN there) and saves lse = 0. Callers: ``attention.sdpa`` on
 CPU outside inference mode (the engine keeps its own kernels).
@@ -32,6 +33,8 @@ CPU outside inference mode (the engine keeps its own kernels).
 from __future__ import annotations
 
 import torch
+
+from arbor.kernels import train_ops
 
 BLOCK = 128
 
@@ -177,6 +180,7 @@ class Bf16BlockAttention(torch.autograd.Function):
         kb, vb = (_heads(x, b, s, hkv, 1, d) for x in (k, v))
         qs, k32 = qb.float().mul_(scale), kb.float()
         o = torch.empty_like(qb)
+        fused = train_ops.available(qb)
         lse = qs.new_zeros(b * hkv, t * g)
         for i0, i1, e, c, visible in _blocks(t, s, g, mask, causal, q.device):
             r0, r1 = i0 * g, i1 * g
@@ -184,11 +188,14 @@ class Bf16BlockAttention(torch.autograd.Function):
                 o[:, r0:r1] = 0
                 continue
             p = torch.bmm(qs[:, r0:r1], k32[:, :e].mT)
-            top, total = _softmax_rows(p, c, visible, wide)
-            probs = torch.mul(p, total.clamp_min(torch.finfo(wide).tiny).reciprocal_(),
-                              out=torch.empty_like(p, dtype=torch.bfloat16))
+            if fused:
+                probs, lse[:, r0:r1] = train_ops.softmax_rows(p, c, visible)
+            else:
+                top, total = _softmax_rows(p, c, visible, wide)
+                probs = torch.mul(p, total.clamp_min(torch.finfo(wide).tiny).reciprocal_(),
+                                  out=torch.empty_like(p, dtype=torch.bfloat16))
+                lse[:, r0:r1] = _lse(top, total)
             torch.bmm(probs, vb[:, :e], out=o[:, r0:r1])
-            lse[:, r0:r1] = _lse(top, total)
         ctx.save_for_backward(qb, kb, vb, o, lse, mask)
         ctx.scale, ctx.causal, ctx.shape = scale, causal, (b, t, hkv, g, d)
         return _unheads(o, b, t, hkv, g, d)
@@ -204,6 +211,7 @@ class Bf16BlockAttention(torch.autograd.Function):
         qx, kx = _shifted(qb, lse / scale), _ones(kb)
         dox, vx = _shifted(do, delta), _ones(vb)
         dq = torch.empty_like(qb)
+        fused = train_ops.available(qb)
         dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (kb, vb))
         for i0, i1, e, c, visible in _blocks(t, s, g, mask, ctx.causal, qb.device):
             r0, r1 = i0 * g, i1 * g
@@ -211,12 +219,19 @@ class Bf16BlockAttention(torch.autograd.Function):
                 dq[:, r0:r1] = 0
                 continue
             shifted = torch.bmm(qx[:, r0:r1], kx[:, :e].mT)          # S/scale − lse/scale, bf16
-            if visible is not None:
-                shifted[..., c:].masked_fill_(~visible, float("-inf"))
-            p = shifted.float().mul_(scale).exp_()
-            dv[:, :e] += torch.bmm(p.to(torch.bfloat16).mT, do[:, r0:r1])
-            ds = torch.mul(p.mul_(torch.bmm(dox[:, r0:r1], vx[:, :e].mT)), scale,
-                           out=torch.empty_like(p, dtype=torch.bfloat16))   # scale · P ∘ (∂P − Δ)
+            if fused:
+                p, rounded = train_ops.exp_rows(shifted, scale, c, visible)
+            else:
+                if visible is not None:
+                    shifted[..., c:].masked_fill_(~visible, float("-inf"))
+                p = shifted.float().mul_(scale).exp_()
+                rounded = p.to(torch.bfloat16)
+            dv[:, :e] += torch.bmm(rounded.mT, do[:, r0:r1])
+            dpd = torch.bmm(dox[:, r0:r1], vx[:, :e].mT)               # ∂P − Δ, bf16
+            if fused:
+                ds = train_ops.scaled_product(p, dpd, scale)           # scale · P ∘ (∂P − Δ)
+            else:
+                ds = torch.mul(p.mul_(dpd), scale, out=torch.empty_like(p, dtype=torch.bfloat16))
             torch.bmm(ds, kb[:, :e], out=dq[:, r0:r1])
             dk[:, :e] += torch.bmm(ds.mT, qb[:, r0:r1])
         dq = _unheads(dq, b, t, hkv, g, d)
