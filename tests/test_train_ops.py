@@ -1,6 +1,8 @@
 """The trainer's fused bfloat16 ops (``arbor/kernels/train_ops.py``): forwards equal PyTorch's bfloat16
 expressions, backwards within PyTorch's own bfloat16 error of float64, and the models take them."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from torch.profiler import profile
 from arbor.kernels import train_ops
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.layers import Rotary, apply_rope, rms_norm
+from arbor.models.moe import Experts, dispatch_experts
 
 pytestmark = pytest.mark.skipif(not train_ops.available(torch.zeros(1, dtype=torch.bfloat16)),
                                 reason="train_ops not built here (ARBOR_CPU_KERNELS=0 or no C compiler)")
@@ -81,7 +84,8 @@ def test_swiglu_matches_silu_times_up(weighted):
         @staticmethod
         def backward(ctx, da):
             h, c = ctx.saved_tensors
-            dh, dc = train_ops.swiglu_backward(h, c if weighted else None, da.contiguous(), weighted)
+            dh, dc, out = train_ops.swiglu_backward(h, c if weighted else None, da.contiguous(), weighted, True)
+            assert torch.equal(out, train_ops.swiglu(h, c if weighted else None))   # the forward, bit for bit
             return dh, dc.to(c.dtype) if weighted else torch.zeros_like(c)
     check(Fused.apply, expression, [h, c], g)
 
@@ -107,3 +111,27 @@ def test_bfloat16_training_steps_take_the_fused_ops(moe):
     with torch.inference_mode(), profile() as p:
         model(ids, attn)
     assert not any(e.key.startswith("arbor::qk_norm_rope") for e in p.key_averages())
+
+
+def test_bfloat16_expert_dispatch_sums_each_tokens_copies_in_float32(monkeypatch):
+    """A bf16 MoE layer's experts, fwd + bwd (copies gathered and summed per token by ``sum_rows``, SwiGLU
+    fused): output and every gradient within the error of the same layer on PyTorch's bf16 ops (index_add_,
+    silu, ...) plus half a bfloat16 step at the largest value, both against float64."""
+    torch.manual_seed(3)
+    experts = Experts(8, 64, 32)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(experts.down_proj, std=0.2)
+    x, ids, w, g = torch.randn(37, 64), torch.randint(0, 8, (37, 2)), torch.rand(37, 2), torch.randn(37, 64)
+
+    real = train_ops.available
+
+    def run(dtype, fused=True):
+        monkeypatch.setattr(train_ops, "available", real if fused else lambda *t: False)
+        ex = copy.deepcopy(experts).to(dtype)
+        xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        out = dispatch_experts(xs, ids, ws, ex, pad=None if dtype != torch.float64 else 1)
+        out.backward(g.to(dtype))
+        return [t.double() for t in (out, xs.grad, ws.grad, ex.gate_up_proj.grad, ex.down_proj.grad)]
+    exact, theirs, ours = run(torch.float64), run(torch.bfloat16, fused=False), run(torch.bfloat16)
+    for a, b, e in zip(ours, theirs, exact):
+        assert (a - e).abs().max() <= (b - e).abs().max() + 2 ** -8 * e.abs().max()

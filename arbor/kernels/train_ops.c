@@ -13,11 +13,13 @@
                   lse = m + log l (0 and P̂ = 0 for a row that sees nothing)           (block attention's forward)
    exp_rows:      P = exp(scale · X) from bf16 X, masked columns 0; writes P and bf16(P)   (its backward)
    scaled_product: out = bf16(scale · P ∘ D), P float32, D bf16                       (its ∂S)
+   sum_rows:      out[t] = bf16(Σ_j src[pos[t, j]]) (k rows per t, float32 sum)   (MoE: a token's expert outputs)
    Attention rows: N · R rows of e columns; columns [c, e) of row r are masked where visible[r, j − c] is 0
    (visible: uint8 [R, e − c], the same for every n; NULL: none masked).
    swiglu_fwd:    a = bf16(bf16(silu(h_g)) · h_u),  out = bf16(a · c)  (c: the row's weight, or 1)
    swiglu_bwd:    given da (∂ of the weighted a): dc = Σ_I da · a,  t = da · c,
-                  dh_g = t · h_u · σ(h_g) (1 + h_g (1 − σ(h_g))),  dh_u = t · silu(h_g)          */
+                  dh_g = t · h_u · σ(h_g) (1 + h_g (1 − σ(h_g))),  dh_u = t · silu(h_g); also writes
+                  swiglu_fwd's out where asked (the backward's own ∂ of the down projection needs it)     */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -220,9 +222,9 @@ void swiglu_fwd(const bf16 *restrict h, const bf16 *restrict c, bf16 *restrict o
     }
 }
 
-/* h as above; da: contiguous [rows, I]; c, dc: [rows] or NULL; dh: contiguous [rows, 2I] */
+/* h as above; da: contiguous [rows, I]; c, dc: [rows] or NULL; dh: contiguous [rows, 2I]; out: [rows, I] or NULL */
 void swiglu_bwd(const bf16 *restrict h, const bf16 *restrict c, const bf16 *restrict da, bf16 *restrict dh,
-                float *restrict dc, long rows, int I, int threads) {
+                float *restrict dc, bf16 *restrict out, long rows, int I, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < rows; t++) {
         const bf16 *g = h + t * 2 * I, *u = g + I, *dat = da + t * I;
@@ -232,11 +234,33 @@ void swiglu_bwd(const bf16 *restrict h, const bf16 *restrict c, const bf16 *rest
         #pragma omp simd reduction(+:dot)
         for (int i = 0; i < I; i++) {
             const float x = f(g[i]), s = 1.f / (1.f + exp_f32(-x)), silu = x * s, ui = f(u[i]);
-            const float d = f(dat[i]), tt = d * ct;
-            dot += d * f(b(f(b(silu)) * ui));
+            const float d = f(dat[i]), tt = d * ct, a = f(b(f(b(silu)) * ui));
+            dot += d * a;
+            if (out) out[t * I + i] = c ? b(a * ct) : b(a);
             dg[i] = b(tt * ui * s * (1.f + x * (1.f - s)));
             du[i] = b(tt * silu);
         }
         if (dc) dc[t] = dot;
+    }
+}
+
+/* src [*, D] contiguous; pos [T, k] row indices into src; out contiguous [T, D] */
+void sum_rows(const bf16 *restrict src, const int64_t *restrict pos, bf16 *restrict out, long T, int k, int D,
+              int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        float acc[D];
+        #pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            #pragma omp simd
+            for (int i = 0; i < D; i++) acc[i] = 0.f;
+            for (int j = 0; j < k; j++) {
+                const bf16 *r = src + pos[t * k + j] * D;
+                #pragma omp simd
+                for (int i = 0; i < D; i++) acc[i] += f(r[i]);
+            }
+            #pragma omp simd
+            for (int i = 0; i < D; i++) out[t * D + i] = b(acc[i]);
+        }
     }
 }

@@ -36,10 +36,11 @@ def _lib():
     lib.softmax_rows.argtypes = [p, i64, i32, i32, i32, p, p, p, i32]
     lib.exp_rows.argtypes = [p, i64, i32, i32, i32, p, f32, p, p, i32]
     lib.scaled_product.argtypes = [p, p, f32, p, i64, i32]
+    lib.sum_rows.argtypes = [p, p, p, i64, i32, i32, i32]
     lib.swiglu_fwd.argtypes = [p, p, p, i64, i32, i32]
-    lib.swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32, i32]
+    lib.swiglu_bwd.argtypes = [p, p, p, p, p, p, i64, i32, i32]
     for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.qk_norm_rope_fwd, lib.qk_norm_rope_bwd, lib.softmax_rows,
-               lib.exp_rows, lib.scaled_product, lib.swiglu_fwd, lib.swiglu_bwd):
+               lib.exp_rows, lib.scaled_product, lib.sum_rows, lib.swiglu_fwd, lib.swiglu_bwd):
         fn.restype = None
     return lib
 
@@ -162,6 +163,18 @@ def scaled_product(p: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tens
     return out
 
 
+def sum_rows(src: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """src [R, D] bf16 contiguous, pos [T, k] int64 → [T, D]: row t = bf16(Σ_j src[pos[t, j]]), summed in float32."""
+    t, k = pos.shape
+    out = torch.empty(t, src.shape[1], dtype=src.dtype)
+    pos = pos.contiguous()
+    if pos.numel() and not 0 <= int(pos.min()) <= int(pos.max()) < src.shape[0]:
+        raise IndexError(f"sum_rows: row indices outside 0..{src.shape[0] - 1}")
+    with native.profiled("arbor::sum_rows"):
+        _lib().sum_rows(_ptr(src), pos.data_ptr(), out.data_ptr(), t, k, src.shape[1], thread_budget())
+    return out
+
+
 def swiglu(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """h [R, 2I] contiguous ([gate | up] rows) → ``bf16(silu(gate) · up)`` [R, I], times weights [R] when
     given (rounded again, as ``act.mul_(w)``); not differentiable (``swiglu_backward`` is its backward)."""
@@ -172,11 +185,14 @@ def swiglu(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(h: torch.Tensor, weights: torch.Tensor | None, da: torch.Tensor, need_weights: bool):
-    """∂ of ``swiglu(h, weights)`` given da [R, I] contiguous → (dh [R, 2I], d weights [R] float32 or None)."""
+def swiglu_backward(h: torch.Tensor, weights: torch.Tensor | None, da: torch.Tensor, need_weights: bool,
+                    need_output: bool = False):
+    """∂ of ``swiglu(h, weights)`` given da [R, I] contiguous → (dh [R, 2I], d weights [R] float32 or None,
+    ``swiglu(h, weights)`` itself or None: ``need_output``)."""
     dh = torch.empty_like(h)
     dc = torch.empty(h.shape[0], dtype=torch.float32) if need_weights else None
+    out = torch.empty_like(da) if need_output else None
     with native.profiled("arbor::swiglu_bwd"):
-        _lib().swiglu_bwd(_ptr(h), _ptr(weights), _ptr(da), dh.data_ptr(), _ptr(dc), h.shape[0],
+        _lib().swiglu_bwd(_ptr(h), _ptr(weights), _ptr(da), dh.data_ptr(), _ptr(dc), _ptr(out), h.shape[0],
                           h.shape[1] // 2, thread_budget())
-    return dh, dc
+    return dh, dc, out

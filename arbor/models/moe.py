@@ -81,18 +81,15 @@ class RoutedRows(torch.autograd.Function):
         need_x, need_w, need_gu, need_down, _ = ctx.needs_input_grad
         inter, spans = down.shape[2], ctx.spans
         dout = dout.contiguous()
-        fused = train_ops.available(h, *([] if w is None else [w]))
-        weighted = _swiglu(h, w) if need_down else None  # recomputed: cheaper than keeping [R, I]
         d_down = _empty_grad(down, spans) if need_down else None
         da = dout.new_empty(dout.shape[0], inter)
         for e, a, b in spans:
             fp32_gemm.mm_into(da[a:b], dout[a:b], down[e])
-            if need_down:
-                fp32_gemm.mm_into(d_down[e], dout[a:b].t(), weighted[a:b])
-        if fused:
-            dh, dw = train_ops.swiglu_backward(h, w, da, need_w)
+        if train_ops.available(h, *([] if w is None else [w])):
+            dh, dw, weighted = train_ops.swiglu_backward(h, w, da, need_w, need_output=need_down)
             dw = None if dw is None else dw.to(w.dtype)
         else:
+            weighted = _swiglu(h, w) if need_down else None   # recomputed: cheaper than keeping [R, I]
             g, u = h[:, :inter], h[:, inter:]
             silu_g = F.silu(g)
             dw = (da * (silu_g * u)).sum(-1) if need_w else None
@@ -101,6 +98,9 @@ class RoutedRows(torch.autograd.Function):
             dh = torch.empty_like(h)
             torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dh[:, :inter])
             torch.mul(da, silu_g, out=dh[:, inter:])
+        if need_down:
+            for e, a, b in spans:
+                fp32_gemm.mm_into(d_down[e], dout[a:b].t(), weighted[a:b])
         dx = torch.empty_like(x) if need_x else None
         d_gate_up = _empty_grad(gate_up, spans) if need_gu else None
         for e, a, b in spans:
@@ -136,7 +136,8 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
     Token copies are sorted by expert (one stable argsort) and gathered once; ``RoutedRows`` runs each
     expert that received tokens on its contiguous slice, weighted, and one ``index_add_`` sums the
-    copies back per token; the loop is over experts, never over tokens. In bfloat16 / float16 on CPU
+    copies back per token (bf16 on CPU: ``train_ops.sum_rows`` gathers each token's k copies and sums them
+    in float32, forward and for the gather's backward); the loop is over experts, never over tokens. In bfloat16 / float16 on CPU
     (and float32 where its GEMMs go to oneDNN, ``fp32_gemm``) every expert's slice is padded to a
     multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
     which add exactly 0 to every output and gradient): oneDNN builds a kernel per GEMM shape, so
@@ -163,9 +164,47 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         order, counts = padded_order(order, counts, pad)
     copy_weights = torch.cat([weights.reshape(-1).to(x.dtype), weights.new_zeros(1, dtype=x.dtype)])
     token = torch.where(order < flat.shape[0], order // k, 0)
+    if train_ops.available(x):         # bf16 CPU: each token's copies summed in float32, gathered, not scattered
+        real = order < flat.shape[0]
+        pos = torch.empty_like(flat)
+        pos[order[real]] = torch.arange(order.shape[0], device=order.device)[real]
+        pos = pos.view(-1, k)
+        rows = RoutedRows.apply(_TakeRows.apply(x, token, pos), take_rows(copy_weights, order),
+                                experts.gate_up_proj, experts.down_proj, counts.tolist())
+        return _SumCopies.apply(rows, token, pos)
     rows = RoutedRows.apply(take_rows(x, token), take_rows(copy_weights, order), experts.gate_up_proj,
                             experts.down_proj, counts.tolist())
     return torch.zeros_like(x).index_add_(0, token, rows)
+
+
+class _TakeRows(torch.autograd.Function):
+    """x [T, D] → x[token] [R, D]; backward ∂x[t] = Σ_j ∂rows[pos[t, j]] over token t's k copies (``pos``: where
+    each copy sits; padded copies of token 0 carry weight 0, so their gradient is 0 and is left out)."""
+
+    @staticmethod
+    def forward(ctx, x, token, pos):
+        ctx.save_for_backward(pos)
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pos, = ctx.saved_tensors
+        return train_ops.sum_rows(grad.contiguous(), pos), None, None
+
+
+class _SumCopies(torch.autograd.Function):
+    """rows [R, D] (token copies in expert order) → y [T, D], y[t] = Σ_j rows[pos[t, j]] in float32; backward
+    ∂rows = ∂y[token] (a padded copy gets ∂y[0], which its weight 0 turns into 0)."""
+
+    @staticmethod
+    def forward(ctx, rows, token, pos):
+        ctx.save_for_backward(token)
+        return train_ops.sum_rows(rows, pos)
+
+    @staticmethod
+    def backward(ctx, grad):
+        token, = ctx.saved_tensors
+        return grad.index_select(0, token), None, None
 
 
 PAD_ROWS = 32
