@@ -9,8 +9,9 @@
                   rotate_half(y) = (−y[R/2:R], y[:R/2]); channels ≥ R pass                 (saves r per head)
    qk_norm_rope_bwd: ∂y_i = g_i cos_i + (i < R/2 ? g_{i+R/2} sin_{i+R/2} : −g_{i−R/2} sin_{i−R/2}) (i < R;
                   ∂y_i = g_i beyond), then rms_norm_bwd's formulas per head
-   softmax_rows:  per row of S (float32, masked columns −∞): m = max, l = Σ exp(S − m), P̂ = bf16(exp(S − m) / l),
-                  lse = m + log l (0 and P̂ = 0 for a row that sees nothing)           (block attention's forward)
+   softmax_rows:  per row of S (float32, masked columns −∞): m = max, l = Σ exp(S − m),
+                  P̂ = bf16(exp(S − m) / l), lse = m + log l (0 and P̂ = 0 for a row that sees nothing)
+                                                                                  (block attention's forward)
    exp_rows:      P = exp(scale · X) from bf16 X, masked columns 0; writes P and bf16(P)   (its backward)
    scaled_product: out = bf16(scale · P ∘ D), P float32, D bf16                       (its ∂S)
    sum_rows:      out[t] = bf16(Σ_j src[pos[t, j]]) (k rows per t, float32 sum)   (MoE: a token's expert outputs)
@@ -27,7 +28,9 @@
 
 typedef uint16_t bf16;
 static inline float f(bf16 h) { uint32_t u = (uint32_t)h << 16; float x; memcpy(&x, &u, 4); return x; }
-static inline bf16 b(float x) { uint32_t u; memcpy(&u, &x, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (bf16)(u >> 16); }
+static inline bf16 b(float x) {                        /* round to nearest even */
+    uint32_t u; memcpy(&u, &x, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (bf16)(u >> 16);
+}
 
 /* e^x in float32 within ~1 ulp (as cpu_ops.c's exp_f32), clamped to e^x's normal range */
 static inline float exp_f32(float x) {
