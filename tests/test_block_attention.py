@@ -93,3 +93,14 @@ def test_training_attention_on_cpu_takes_block_attention_and_inference_mode_keep
     assert blocks(lambda: sdpa(q[None, :64].double(), k[None, :64].double(), v[None, :64].double(), 0.25,
                                causal=True)) == 0          # float64 and short inputs keep PyTorch's kernel
     assert blocks(lambda: sdpa(q[None, :, :, :64], k[None, :, :, :64], v[None, :, :, :64], 0.25, causal=True)) == 0
+
+
+def test_cpu_autocast_attends_in_autocasts_dtype():
+    """Under CPU bf16 autocast (``dtype=bfloat16`` training) float32 q, k, v are cast to bf16 first, as autocast
+    casts SDPA's inputs: the bf16 block attention runs and its output is bf16, equal to it on the cast inputs."""
+    attn = VarlenAttention.from_lengths([200])
+    q, k, v = torch.randn(200, 4, 128), torch.randn(200, 2, 128), torch.randn(200, 2, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16), profile() as p:
+        out = attn.attend(0, q, k, v, 0.25)
+    assert out.dtype == torch.bfloat16 and any(e.key == "Bf16BlockAttention" for e in p.key_averages())
+    assert torch.equal(out, attn.attend(0, q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.25))

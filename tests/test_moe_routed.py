@@ -100,3 +100,23 @@ def test_padding_keeps_bfloat16_outputs():
     exact = plain_experts(x.double(), ids, w.double(), experts.double())
     got = dispatch_experts(x.bfloat16(), ids, w.bfloat16(), experts.bfloat16(), pad=32)
     assert (got.double() - exact).abs().max() < 3e-2 * exact.abs().max()
+
+
+def test_cpu_autocast_runs_the_experts_in_bfloat16_with_float32_gradients():
+    """Under CPU bf16 autocast (``dtype=bfloat16`` training, float32 master weights) the experts run as autocast
+    runs a linear: input, weights and routing weights cast to bf16. The output is the bf16 layer on the cast
+    values, bit for bit; the float32 parameters get float32 gradients equal to the bf16 layer's, cast."""
+    torch.manual_seed(4)
+    experts = Experts(8, 64, 32)
+    x, ids, w, dy = torch.randn(37, 64), torch.randint(0, 8, (37, 2)), torch.rand(37, 2), torch.randn(37, 64)
+    half = Experts(8, 64, 32)
+    half.load_state_dict(experts.state_dict())
+    half = half.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dispatch_experts(x, ids, w, experts)
+    want = dispatch_experts(x.bfloat16(), ids, w.bfloat16(), half)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.backward(dy.bfloat16())
+    want.backward(dy.bfloat16())
+    for p, q in ((experts.gate_up_proj, half.gate_up_proj), (experts.down_proj, half.down_proj)):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float())

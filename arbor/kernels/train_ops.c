@@ -220,9 +220,25 @@ void swiglu_fwd(const bf16 *restrict h, const bf16 *restrict c, bf16 *restrict o
         for (int i = 0; i < I; i++) {
             const float x = f(g[i]);
             const float a = f(b(f(b(x / (1.f + exp_f32(-x)))) * f(u[i])));
-            o[i] = c ? b(a * ct) : b(a);
+            o[i] = b(a * ct);                         /* a is a bf16 value: × 1 (no weight) is exact */
         }
     }
+}
+
+/* one row of swiglu_bwd; `store` (a constant where inlined) writes the forward's output to o */
+static inline float swiglu_bwd_row(const bf16 *restrict g, const bf16 *restrict u, const bf16 *restrict dat, float ct,
+                                   bf16 *restrict dg, bf16 *restrict du, bf16 *restrict o, int I, const int store) {
+    float dot = 0.f;
+    #pragma omp simd reduction(+:dot)
+    for (int i = 0; i < I; i++) {
+        const float x = f(g[i]), s = 1.f / (1.f + exp_f32(-x)), silu = x * s, ui = f(u[i]);
+        const float d = f(dat[i]), tt = d * ct, a = f(b(f(b(silu)) * ui));
+        dot += d * a;
+        if (store) o[i] = b(a * ct);                 /* a is a bf16 value: × 1 (no weight) is exact */
+        dg[i] = b(tt * ui * s * (1.f + x * (1.f - s)));
+        du[i] = b(tt * silu);
+    }
+    return dot;
 }
 
 /* h as above; da: contiguous [rows, I]; c, dc: [rows] or NULL; dh: contiguous [rows, 2I]; out: [rows, I] or NULL */
@@ -230,19 +246,11 @@ void swiglu_bwd(const bf16 *restrict h, const bf16 *restrict c, const bf16 *rest
                 float *restrict dc, bf16 *restrict out, long rows, int I, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < rows; t++) {
-        const bf16 *g = h + t * 2 * I, *u = g + I, *dat = da + t * I;
-        bf16 *dg = dh + t * 2 * I, *du = dg + I;
+        const bf16 *g = h + t * 2 * I;
+        bf16 *dg = dh + t * 2 * I;
         const float ct = c ? f(c[t]) : 1.f;
-        float dot = 0.f;
-        #pragma omp simd reduction(+:dot)
-        for (int i = 0; i < I; i++) {
-            const float x = f(g[i]), s = 1.f / (1.f + exp_f32(-x)), silu = x * s, ui = f(u[i]);
-            const float d = f(dat[i]), tt = d * ct, a = f(b(f(b(silu)) * ui));
-            dot += d * a;
-            if (out) out[t * I + i] = c ? b(a * ct) : b(a);
-            dg[i] = b(tt * ui * s * (1.f + x * (1.f - s)));
-            du[i] = b(tt * silu);
-        }
+        const float dot = out ? swiglu_bwd_row(g, g + I, da + t * I, ct, dg, dg + I, out + t * I, I, 1)
+                              : swiglu_bwd_row(g, g + I, da + t * I, ct, dg, dg + I, NULL, I, 0);
         if (dc) dc[t] = dot;
     }
 }

@@ -37,7 +37,12 @@ def sdpa(q, k, v, scale, mask=None, causal=False):
     of 4 × 512 tokens, 8 / 4 heads of 128, fwd + bwd against the flash kernel, AMD EPYC Zen 4, 2 threads:
     0.85× the time in float32, 0.61× in bfloat16); other bfloat16 inputs take PyTorch's bfloat16 flash
     kernel as they are (float32 sums, probabilities rounded to bfloat16 for P·V, as transformers' SDPA
-    path and FlashAttention do: 0.94× the time of the float32 upcast for a tiny Qwen3 fwd + bwd)."""
+    path and FlashAttention do: 0.94× the time of the float32 upcast for a tiny Qwen3 fwd + bwd). Under CPU
+    autocast (``dtype=bfloat16`` training) q, k, v are first cast to autocast's dtype, as autocast casts
+    SDPA's inputs."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not torch.is_inference_mode_enabled():
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v = q.to(low), k.to(low), v.to(low)
     dtype = q.dtype
     if (q.device.type == "cpu" and dtype != torch.float64 and q.shape[1] >= BLOCK and q.shape[-1] >= 128
             and not torch.is_inference_mode_enabled() and (q.shape[1] == k.shape[1] or not causal)

@@ -157,6 +157,10 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         if rows is None:
             return torch.zeros_like(x)
         return torch.zeros_like(x).index_add_(0, token, rows * weights.reshape(-1)[order, None].to(x.dtype))
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if torch.is_autocast_enabled(x.device.type):      # as autocast casts a linear's input and weight
+        low = torch.get_autocast_dtype(x.device.type)
+        x, weights, gate_up, down = x.to(low), weights.to(low), gate_up.to(low), down.to(low)
     if pad is None:
         onednn = x.dtype in (torch.bfloat16, torch.float16) or fp32_gemm.active(x)
         pad = PAD_ROWS if x.device.type == "cpu" and onednn else 1
@@ -169,11 +173,10 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         pos = torch.empty_like(flat)
         pos[order[real]] = torch.arange(order.shape[0], device=order.device)[real]
         pos = pos.view(-1, k)
-        rows = RoutedRows.apply(_TakeRows.apply(x, token, pos), take_rows(copy_weights, order),
-                                experts.gate_up_proj, experts.down_proj, counts.tolist())
+        rows = RoutedRows.apply(_TakeRows.apply(x, token, pos), take_rows(copy_weights, order), gate_up, down,
+                                counts.tolist())
         return _SumCopies.apply(rows, token, pos)
-    rows = RoutedRows.apply(take_rows(x, token), take_rows(copy_weights, order), experts.gate_up_proj,
-                            experts.down_proj, counts.tolist())
+    rows = RoutedRows.apply(take_rows(x, token), take_rows(copy_weights, order), gate_up, down, counts.tolist())
     return torch.zeros_like(x).index_add_(0, token, rows)
 
 
