@@ -1,7 +1,9 @@
 """Forward + backward of one packed batch, Arbor vs transformers (``arbor bench model``).
 
 Same random weights in both (transformers' tensors loaded into Arbor by name), a batch of
-``batch × seq_len`` tokens with next-token cross-entropy, in float32 and bfloat16 (``--dtype``); a fresh
+``batch × seq_len`` tokens with next-token cross-entropy, in float32, bfloat16 (parameters in bfloat16) and
+``bfloat16-autocast`` (float32 parameters, forward and loss under bf16 autocast, backward after: what
+``arbor train dtype=bfloat16`` and transformers' Trainer with ``bf16=True`` run) (``--dtype``); a fresh
 batch of random tokens per step (so the routing, and each expert's row count, changes every step as in
 training; both systems get the same batches); medians over interleaved repeats. Shapes: the tiny ``qwen3`` / ``qwen3_moe`` (hidden 256, 8 experts
 top-2) and two at real MoE sparsity with equal active parameters, ``moe32`` (hidden 1024, 32 experts
@@ -18,6 +20,8 @@ transformers' rate, the speed-up over transformers a step would reach if all of 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +40,8 @@ SPARSE = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hid
 SHAPES = {"qwen3": SHAPE, "qwen3_moe": SHAPE | MOE,
           "moe32": SPARSE | dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512),
           "moe64": SPARSE | dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bfloat16-autocast": torch.float32}
+AUTOCAST = {"bfloat16-autocast": torch.bfloat16}      # parameters in DTYPES' dtype, forward under autocast
 
 
 def step_flops(shape: dict, seq_len: int, seqs: int) -> float:
@@ -100,15 +105,23 @@ def measure(kind: str, dtype: str, batch: int, seq_len: int, repeats: int, devic
     def loss(logits, ids):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
+    def forward():          # a trainer's mixed precision: forward and loss under autocast, backward after
+        low = AUTOCAST.get(dtype)
+        return torch.autocast(torch.device(device).type, dtype=low) if low else contextlib.nullcontext()
+
     def step_hf():
         ids = next(steps["transformers"])
         hf.zero_grad(set_to_none=True)
-        loss(hf(ids).logits, ids).backward()
+        with forward():
+            value = loss(hf(ids).logits, ids)
+        value.backward()
 
     def step_arbor():
         ids = next(steps["arbor"])
         arbor.zero_grad(set_to_none=True)
-        loss(arbor.logits(arbor(ids.reshape(-1), attn).hidden).view(batch, seq_len, -1), ids).backward()
+        with forward():
+            value = loss(arbor.logits(arbor(ids.reshape(-1), attn).hidden).view(batch, seq_len, -1), ids)
+        value.backward()
 
     times = time_interleaved({"transformers": step_hf, "arbor": step_arbor}, repeats, device=device)
     t_hf, t_arbor = median(times["transformers"]), median(times["arbor"])
@@ -116,7 +129,7 @@ def measure(kind: str, dtype: str, batch: int, seq_len: int, repeats: int, devic
            "ratio_arbor_over_transformers": t_arbor / t_hf, "speedup_over_transformers": t_hf / t_arbor,
            "tokens_per_s": {"transformers": batch * seq_len / t_hf, "arbor": batch * seq_len / t_arbor}}
     flops = step_flops(SHAPES[kind], seq_len, batch)
-    rate = gemm_rate(SHAPES[kind], batch * seq_len, DTYPES[dtype], device)
+    rate = gemm_rate(SHAPES[kind], batch * seq_len, AUTOCAST.get(dtype, DTYPES[dtype]), device)
     per_s = {k: flops / t / 1e9 for k, t in out["median_s"].items()}
     out |= {"gflop_per_step": flops / 1e9, "gflop_per_s": per_s, "gemm_gflop_per_s": rate,
             "speedup_bound": rate / per_s["transformers"]}
