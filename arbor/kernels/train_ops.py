@@ -1,5 +1,6 @@
-"""Fused bfloat16 RMSNorm, q/k-norm + RoPE and SwiGLU for the trainer, forward and backward (``train_ops.c``), built by
-``arbor.kernels.native`` with ``-O3 -march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding
+"""The trainer's fused bfloat16 element-wise ops, forward and backward (``train_ops.c``): RMSNorm, q/k-norm +
+RoPE, the experts' SwiGLU, block attention's softmax steps and the sum of each token's expert outputs. Built
+by ``arbor.kernels.native`` with ``-O3 -march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding
 and subtracting 1.5 · 2²³), threads from ``thread_budget()``.
 
 PyTorch runs a bfloat16 RMSNorm as a float32 upcast, five element-wise ops and a cast, each a pass over
