@@ -8,6 +8,7 @@ from statistics import median
 
 import pytest
 
+from arbor.bench import model as model_bench
 from arbor.cli import BENCHMARKS, main
 
 SMALL = {
@@ -35,7 +36,7 @@ def model_figures(r):
     # per dtype the moe64 ÷ moe32 cost of Arbor
     expected = [s["ratio_arbor_over_transformers"] if key.split("/")[0] in ("qwen3", "qwen3_moe")
                 else s["speedup_over_transformers"] for key, s in r["systems"].items()]
-    for dtype in ("float32", "bfloat16"):
+    for dtype in model_bench.DTYPES:
         a, b = r["systems"].get(f"moe32/{dtype}"), r["systems"].get(f"moe64/{dtype}")
         if a and b:
             expected.append(b["median_s"]["arbor"] / a["median_s"]["arbor"])

@@ -120,3 +120,15 @@ def test_cpu_autocast_runs_the_experts_in_bfloat16_with_float32_gradients():
     want.backward(dy.bfloat16())
     for p, q in ((experts.gate_up_proj, half.gate_up_proj), (experts.down_proj, half.down_proj)):
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad.float())
+
+
+def test_expert_parallel_groups_take_autocasts_dtype_too():
+    """``Experts.grouped`` (expert parallelism's local compute) under CPU bf16 autocast equals the bf16 experts."""
+    torch.manual_seed(5)
+    experts = Experts(4, 32, 16)
+    half = Experts(4, 32, 16)
+    half.load_state_dict(experts.state_dict())
+    xs = [torch.randn(n, 32) for n in (3, 0, 5, 2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = experts.grouped(xs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, half.bfloat16().grouped([x.bfloat16() for x in xs]))

@@ -45,7 +45,18 @@ class Experts(nn.Module):
         counts = [x.shape[0] for x in xs]
         if not any(counts):
             return None
-        return RoutedRows.apply(torch.cat(xs), None, self.gate_up_proj, self.down_proj, counts)
+        x, gate_up, down = autocast_inputs(torch.cat(xs), self.gate_up_proj, self.down_proj)
+        return RoutedRows.apply(x, None, gate_up, down, counts)
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype where autocast is on for their device (as autocast casts a linear's
+    input and weight; ``RoutedRows`` is beyond autocast's reach), else as they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    low = torch.get_autocast_dtype(device)
+    return tuple(t.to(low) for t in tensors)
 
 
 class RoutedRows(torch.autograd.Function):
@@ -157,10 +168,7 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         if rows is None:
             return torch.zeros_like(x)
         return torch.zeros_like(x).index_add_(0, token, rows * weights.reshape(-1)[order, None].to(x.dtype))
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    if torch.is_autocast_enabled(x.device.type):      # as autocast casts a linear's input and weight
-        low = torch.get_autocast_dtype(x.device.type)
-        x, weights, gate_up, down = x.to(low), weights.to(low), gate_up.to(low), down.to(low)
+    x, weights, gate_up, down = autocast_inputs(x, weights, experts.gate_up_proj, experts.down_proj)
     if pad is None:
         onednn = x.dtype in (torch.bfloat16, torch.float16) or fp32_gemm.active(x)
         pad = PAD_ROWS if x.device.type == "cpu" and onednn else 1
