@@ -74,7 +74,9 @@ class OneDnnLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         dy = dy.reshape(-1, dy.shape[-1])
         dx = mm(dy, weight).view(ctx.shape) if need_x else None
-        dw = mm(dy.t(), rows) if need_w else None
+        dw = None
+        if need_w:   # oneDNN copies a transposed first operand: transpose the narrower one (∂W = (xᵀ ∂y)ᵀ)
+            dw = mm(dy.t(), rows) if dy.shape[1] <= rows.shape[1] else mm(rows.t(), dy).t().contiguous()
         return dx, dw, dy.sum(0) if need_b else None
 
 
