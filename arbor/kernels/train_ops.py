@@ -46,9 +46,11 @@ def _lib():
     return lib
 
 
-def available(*tensors: torch.Tensor) -> bool:
-    """Whether the fused ops serve these tensors: all bfloat16 on CPU, library built."""
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and _lib() is not None
+def available(*tensors: torch.Tensor | None) -> bool:
+    """Whether the fused ops serve these tensors (None: an absent optional one): all bfloat16 on CPU, library
+    built."""
+    return (all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors if t is not None)
+            and _lib() is not None)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

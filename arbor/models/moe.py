@@ -96,7 +96,7 @@ class RoutedRows(torch.autograd.Function):
         da = dout.new_empty(dout.shape[0], inter)
         for e, a, b in spans:
             fp32_gemm.mm_into(da[a:b], dout[a:b], down[e])
-        if train_ops.available(h, *([] if w is None else [w])):
+        if train_ops.available(h, w):
             dh, dw, weighted = train_ops.swiglu_backward(h, w, da, need_w, need_output=need_down)
             dw = None if dw is None else dw.to(w.dtype)
         else:
@@ -124,7 +124,7 @@ class RoutedRows(torch.autograd.Function):
 
 def _swiglu(h: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     """h [R, 2I] = [g | u] → ``silu(g) · u`` [R, I], times w [R] when given (``train_ops`` in bfloat16)."""
-    if train_ops.available(h, *([] if w is None else [w])):
+    if train_ops.available(h, w):
         return train_ops.swiglu(h, w)
     inter = h.shape[1] // 2
     act = F.silu(h[:, :inter]).mul_(h[:, inter:])
@@ -149,8 +149,8 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     expert that received tokens on its contiguous slice, weighted, and one ``index_add_`` sums the
     copies back per token (bf16 on CPU: ``train_ops.sum_rows`` gathers each token's k copies and sums them
     in float32, forward and for the gather's backward); the loop is over experts, never over tokens. In
-    bfloat16 / float16 on CPU (and float32 where its GEMMs go to oneDNN, ``fp32_gemm``) every expert's slice is padded to a
-    multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
+    bfloat16 / float16 on CPU (and float32 where its GEMMs go to oneDNN, ``fp32_gemm``) every expert's
+    slice is padded to a multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
     which add exactly 0 to every output and gradient): oneDNN builds a kernel per GEMM shape, so
     rows counts that change every step would pay that build on every GEMM. An expert module with a
     ``serve`` method (the engine's packed CPU copy) may serve the call itself (when it returns a
