@@ -14,8 +14,9 @@ sparse shapes report transformers' time ÷ Arbor's (the speed-up), and moe64's A
 (cost that falls with sparsity: at equal active parameters, ≤ 1.2).
 
 Each system's rate is also given in GFLOP/s of the step's counted work (``step_flops``), beside
-torch's GEMM rate at the step's own GEMM shapes (``gemm_rate``, the larger of a hidden × hidden
-projection over all tokens and one expert's share of rows): ``speedup_bound`` = GEMM rate ÷
+the best GEMM rate in the process at the step's own GEMM shapes (``gemm_rate``: torch's, or
+oneDNN's float32 one; the larger of a hidden × hidden projection over all tokens and one expert's share of
+rows): ``speedup_bound`` = GEMM rate ÷
 transformers' rate, the speed-up over transformers a step would reach if all of it ran at the GEMM rate.
 """
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from arbor.bench.common import median, print_table, print_targets, target, time_interleaved, write_result
+from arbor.kernels import fp32_gemm
 from arbor.models import CausalLM, ModelConfig, VarlenAttention
 from arbor.models.checkpoint import from_hf_tensors
 
@@ -62,8 +64,10 @@ def step_flops(shape: dict, seq_len: int, seqs: int) -> float:
 
 
 def gemm_rate(shape: dict, tokens: int, dtype, device, repeats: int = 9) -> float:
-    """torch's GEMM GFLOP/s (median of ``repeats``) at the step's shapes, the larger of: [tokens, D] ×
-    [D, D], and one expert's rows (tokens · k / E) × [D, 2·I_e] (dense: [tokens, D] × [D, 2·I])."""
+    """The best GEMM GFLOP/s in this process (median of ``repeats``; ``torch.mm``, and for float32 oneDNN's
+    through ``fp32_gemm.mm``, which Arbor's float32 linears take: on AMD CPUs torch's float32 mm is MKL's AVX2
+    code) at the step's shapes, the larger of: [tokens, D] × [D, D], and one expert's rows (tokens · k / E) ×
+    [D, 2·I_e] (dense: [tokens, D] × [D, 2·I])."""
     D = shape["hidden_size"]
     if "num_experts" in shape:
         rows = max(1, tokens * shape["num_experts_per_tok"] // shape["num_experts"])
@@ -73,8 +77,8 @@ def gemm_rate(shape: dict, tokens: int, dtype, device, repeats: int = 9) -> floa
     best = 0.0
     for m, n in ((tokens, D), (rows, width)):
         a, b = torch.randn(m, D, device=device, dtype=dtype), torch.randn(D, n, device=device, dtype=dtype)
-        times = time_interleaved({"mm": lambda: a @ b}, repeats, device=device)["mm"]
-        best = max(best, 2 * m * D * n / median(times) / 1e9)
+        times = time_interleaved({"torch": lambda: a @ b, "onednn": lambda: fp32_gemm.mm(a, b)}, repeats, device=device)
+        best = max(best, *(2 * m * D * n / median(t) / 1e9 for t in times.values()))
     return best
 
 

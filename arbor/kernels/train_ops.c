@@ -1,6 +1,8 @@
-/* Fused bfloat16 element-wise ops of the trainer, forward and backward, over rows split between threads
-   (loaded by arbor/kernels/train_ops.py). Every value is float32 between a bfloat16 load and a bfloat16
-   store; the forwards round where PyTorch's bfloat16 expressions round (arbor/models/layers.py, moe.py).
+/* Fused element-wise ops of the trainer, forward and backward, over rows split between threads (loaded by
+   arbor/kernels/train_ops.py), built twice: for bfloat16 tensors (elem = bf16) and, with -DARBOR_TRAIN_F32, for
+   float32 ones (elem = float; bf16(·) below is then the identity). Every value is float32 between an elem load
+   and an elem store; the bf16 forwards round where PyTorch's bfloat16 expressions round (arbor/models/layers.py,
+   moe.py). The attention steps (softmax_rows, exp_rows, scaled_product) serve the bf16 block attention only.
 
    rms_norm_fwd:  r = 1 / sqrt(mean(x²) + eps),  x̂ = x · r,  y = bf16(w · bf16(x̂))         (saves r)
    rms_norm_bwd:  ĝ = g · w,  dx = r · (ĝ − x̂ · mean(ĝ ∘ x̂)),  dw = Σ_rows g · bf16(x̂)
@@ -26,11 +28,17 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
-static inline float f(bf16 h) { uint32_t u = (uint32_t)h << 16; float x; memcpy(&x, &u, 4); return x; }
-static inline bf16 b(float x) {                        /* round to nearest even */
-    uint32_t u; memcpy(&u, &x, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (bf16)(u >> 16);
+#ifdef ARBOR_TRAIN_F32                     /* the float32 build: loads and stores are plain */
+typedef float elem;
+static inline float f(elem h) { return h; }
+static inline elem b(float x) { return x; }
+#else                                     /* the bfloat16 build */
+typedef uint16_t elem;
+static inline float f(elem h) { uint32_t u = (uint32_t)h << 16; float x; memcpy(&x, &u, 4); return x; }
+static inline elem b(float x) {                        /* round to nearest even */
+    uint32_t u; memcpy(&u, &x, 4); u += 0x7FFFu + ((u >> 16) & 1u); return (elem)(u >> 16);
 }
+#endif
 
 /* e^x in float32 within ~1 ulp (as cpu_ops.c's exp_f32), clamped to e^x's normal range */
 static inline float exp_f32(float x) {
@@ -50,12 +58,12 @@ static inline float exp_f32(float x) {
 }
 
 /* x, y: contiguous [rows, D]; w [D]; rstd [rows] */
-void rms_norm_fwd(const bf16 *restrict x, const bf16 *restrict w, bf16 *restrict y, float *restrict rstd, long rows,
+void rms_norm_fwd(const elem *restrict x, const elem *restrict w, elem *restrict y, float *restrict rstd, long rows,
                   int D, float eps, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < rows; t++) {
-        const bf16 *xt = x + t * D;
-        bf16 *yt = y + t * D;
+        const elem *xt = x + t * D;
+        elem *yt = y + t * D;
         float ss = 0.f;
         #pragma omp simd reduction(+:ss)
         for (int i = 0; i < D; i++) { float v = f(xt[i]); ss += v * v; }
@@ -67,15 +75,15 @@ void rms_norm_fwd(const bf16 *restrict x, const bf16 *restrict w, bf16 *restrict
 }
 
 /* g, dx: contiguous [rows, D]; dw_parts: float32 [threads, D], zeroed, summed by the caller */
-void rms_norm_bwd(const bf16 *restrict x, const bf16 *restrict w, const float *restrict rstd, const bf16 *restrict g,
-                  bf16 *restrict dx, float *restrict dw_parts, long rows, int D, int threads) {
+void rms_norm_bwd(const elem *restrict x, const elem *restrict w, const float *restrict rstd, const elem *restrict g,
+                  elem *restrict dx, float *restrict dw_parts, long rows, int D, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         float *restrict dw = dw_parts + (long)omp_get_thread_num() * D;
         #pragma omp for schedule(static)
         for (long t = 0; t < rows; t++) {
-            const bf16 *xt = x + t * D, *gt = g + t * D;
-            bf16 *dxt = dx + t * D;
+            const elem *xt = x + t * D, *gt = g + t * D;
+            elem *dxt = dx + t * D;
             const float r = rstd[t];
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
@@ -92,17 +100,17 @@ void rms_norm_bwd(const bf16 *restrict x, const bf16 *restrict w, const float *r
 }
 
 /* x, y: contiguous [T, H, D], heads [0, Hq) normed by wq, [Hq, H) by wk; cos, sin [T, R]; rstd [T, H] */
-void qk_norm_rope_fwd(const bf16 *restrict x, const bf16 *restrict wq, const bf16 *restrict wk,
-                      const bf16 *restrict cos, const bf16 *restrict sin, bf16 *restrict y, float *restrict rstd,
+void qk_norm_rope_fwd(const elem *restrict x, const elem *restrict wq, const elem *restrict wk,
+                      const elem *restrict cos, const elem *restrict sin, elem *restrict y, float *restrict rstd,
                       long T, int H, int Hq, int D, int R, float eps, int threads) {
     const int h = R / 2;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < T; t++) {
-        const bf16 *c = cos + t * R, *s = sin + t * R;
+        const elem *c = cos + t * R, *s = sin + t * R;
         float n[D];
         for (int j = 0; j < H; j++) {
-            const bf16 *xr = x + (t * H + j) * D, *w = j < Hq ? wq : wk;
-            bf16 *yr = y + (t * H + j) * D;
+            const elem *xr = x + (t * H + j) * D, *w = j < Hq ? wq : wk;
+            elem *yr = y + (t * H + j) * D;
             float ss = 0.f;
             #pragma omp simd reduction(+:ss)
             for (int i = 0; i < D; i++) { float v = f(xr[i]); ss += v * v; }
@@ -120,9 +128,9 @@ void qk_norm_rope_fwd(const bf16 *restrict x, const bf16 *restrict wq, const bf1
 }
 
 /* g, dx: contiguous [T, H, D]; dw_parts: float32 [threads, 2, D] (wq's, then wk's), zeroed, summed by the caller */
-void qk_norm_rope_bwd(const bf16 *restrict x, const bf16 *restrict wq, const bf16 *restrict wk,
-                      const bf16 *restrict cos, const bf16 *restrict sin, const float *restrict rstd,
-                      const bf16 *restrict g, bf16 *restrict dx, float *restrict dw_parts, long T, int H, int Hq, int D,
+void qk_norm_rope_bwd(const elem *restrict x, const elem *restrict wq, const elem *restrict wk,
+                      const elem *restrict cos, const elem *restrict sin, const float *restrict rstd,
+                      const elem *restrict g, elem *restrict dx, float *restrict dw_parts, long T, int H, int Hq, int D,
                       int R, int threads) {
     const int h = R / 2;
     #pragma omp parallel num_threads(threads)
@@ -131,11 +139,11 @@ void qk_norm_rope_bwd(const bf16 *restrict x, const bf16 *restrict wq, const bf1
         float dy[D];
         #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) {
-            const bf16 *c = cos + t * R, *s = sin + t * R;
+            const elem *c = cos + t * R, *s = sin + t * R;
             for (int j = 0; j < H; j++) {
-                const bf16 *xr = x + (t * H + j) * D, *gr = g + (t * H + j) * D, *w = j < Hq ? wq : wk;
+                const elem *xr = x + (t * H + j) * D, *gr = g + (t * H + j) * D, *w = j < Hq ? wq : wk;
                 float *restrict dw = dws + (j < Hq ? 0 : D);
-                bf16 *dxr = dx + (t * H + j) * D;
+                elem *dxr = dx + (t * H + j) * D;
                 const float r = rstd[t * H + j];
                 #pragma omp simd
                 for (int i = 0; i < h; i++) dy[i] = f(gr[i]) * f(c[i]) + f(gr[i + h]) * f(s[i + h]);
@@ -158,11 +166,11 @@ void qk_norm_rope_bwd(const bf16 *restrict x, const bf16 *restrict wq, const bf1
 }
 
 void softmax_rows(float *restrict s, long N, int R, int e, int c, const uint8_t *restrict visible,
-                  bf16 *restrict probs, float *restrict lse, int threads) {
+                  elem *restrict probs, float *restrict lse, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long row = 0; row < N * R; row++) {
         float *x = s + row * e;
-        bf16 *o = probs + row * e;
+        elem *o = probs + row * e;
         if (visible) {
             const uint8_t *v = visible + (row % R) * (e - c);
             #pragma omp simd
@@ -172,7 +180,7 @@ void softmax_rows(float *restrict s, long N, int R, int e, int c, const uint8_t 
         #pragma omp simd reduction(max:m)
         for (int j = 0; j < e; j++) m = x[j] > m ? x[j] : m;
         if (m == -INFINITY) {
-            memset(o, 0, (size_t)e * sizeof(bf16));
+            memset(o, 0, (size_t)e * sizeof(elem));
             lse[row] = 0.f;
             continue;
         }
@@ -186,13 +194,13 @@ void softmax_rows(float *restrict s, long N, int R, int e, int c, const uint8_t 
     }
 }
 
-void exp_rows(const bf16 *restrict x, long N, int R, int e, int c, const uint8_t *restrict visible, float scale,
-              float *restrict p, bf16 *restrict pb, int threads) {
+void exp_rows(const elem *restrict x, long N, int R, int e, int c, const uint8_t *restrict visible, float scale,
+              float *restrict p, elem *restrict pb, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long row = 0; row < N * R; row++) {
-        const bf16 *xr = x + row * e;
+        const elem *xr = x + row * e;
         float *pr = p + row * e;
-        bf16 *br = pb + row * e;
+        elem *br = pb + row * e;
         #pragma omp simd
         for (int j = 0; j < e; j++) { pr[j] = exp_f32(scale * f(xr[j])); br[j] = b(pr[j]); }
         if (visible) {
@@ -203,38 +211,38 @@ void exp_rows(const bf16 *restrict x, long N, int R, int e, int c, const uint8_t
     }
 }
 
-void scaled_product(const float *restrict p, const bf16 *restrict d, float scale, bf16 *restrict out, long n,
+void scaled_product(const float *restrict p, const elem *restrict d, float scale, elem *restrict out, long n,
                     int threads) {
     #pragma omp parallel for simd num_threads(threads) schedule(static)
     for (long i = 0; i < n; i++) out[i] = b(scale * p[i] * f(d[i]));
 }
 
 /* h: [rows, 2I] (gate | up, row stride 2I); c: [rows] or NULL; out: contiguous [rows, I] */
-void swiglu_fwd(const bf16 *restrict h, const bf16 *restrict c, bf16 *restrict out, long rows, int I, int threads) {
+void swiglu_fwd(const elem *restrict h, const elem *restrict c, elem *restrict out, long rows, int I, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < rows; t++) {
-        const bf16 *g = h + t * 2 * I, *u = g + I;
-        bf16 *o = out + t * I;
+        const elem *g = h + t * 2 * I, *u = g + I;
+        elem *o = out + t * I;
         const float ct = c ? f(c[t]) : 1.f;
         #pragma omp simd
         for (int i = 0; i < I; i++) {
             const float x = f(g[i]);
-            const float a = f(b(f(b(x / (1.f + exp_f32(-x)))) * f(u[i])));
-            o[i] = b(a * ct);                         /* a is a bf16 value: × 1 (no weight) is exact */
+            const float a = f(b(f(b(x * (1.f / (1.f + exp_f32(-x))))) * f(u[i])));   /* silu as swiglu_bwd's */
+            o[i] = b(a * ct);                         /* a is an elem value: × 1 (no weight) is exact */
         }
     }
 }
 
 /* one row of swiglu_bwd; `store` (a constant where inlined) writes the forward's output to o */
-static inline float swiglu_bwd_row(const bf16 *restrict g, const bf16 *restrict u, const bf16 *restrict dat, float ct,
-                                   bf16 *restrict dg, bf16 *restrict du, bf16 *restrict o, int I, const int store) {
+static inline float swiglu_bwd_row(const elem *restrict g, const elem *restrict u, const elem *restrict dat, float ct,
+                                   elem *restrict dg, elem *restrict du, elem *restrict o, int I, const int store) {
     float dot = 0.f;
     #pragma omp simd reduction(+:dot)
     for (int i = 0; i < I; i++) {
         const float x = f(g[i]), s = 1.f / (1.f + exp_f32(-x)), silu = x * s, ui = f(u[i]);
         const float d = f(dat[i]), tt = d * ct, a = f(b(f(b(silu)) * ui));
         dot += d * a;
-        if (store) o[i] = b(a * ct);                 /* a is a bf16 value: × 1 (no weight) is exact */
+        if (store) o[i] = b(a * ct);                 /* a is an elem value: × 1 (no weight) is exact */
         dg[i] = b(tt * ui * s * (1.f + x * (1.f - s)));
         du[i] = b(tt * silu);
     }
@@ -242,12 +250,12 @@ static inline float swiglu_bwd_row(const bf16 *restrict g, const bf16 *restrict 
 }
 
 /* h as above; da: contiguous [rows, I]; c, dc: [rows] or NULL; dh: contiguous [rows, 2I]; out: [rows, I] or NULL */
-void swiglu_bwd(const bf16 *restrict h, const bf16 *restrict c, const bf16 *restrict da, bf16 *restrict dh,
-                float *restrict dc, bf16 *restrict out, long rows, int I, int threads) {
+void swiglu_bwd(const elem *restrict h, const elem *restrict c, const elem *restrict da, elem *restrict dh,
+                float *restrict dc, elem *restrict out, long rows, int I, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < rows; t++) {
-        const bf16 *g = h + t * 2 * I;
-        bf16 *dg = dh + t * 2 * I;
+        const elem *g = h + t * 2 * I;
+        elem *dg = dh + t * 2 * I;
         const float ct = c ? f(c[t]) : 1.f;
         const float dot = out ? swiglu_bwd_row(g, g + I, da + t * I, ct, dg, dg + I, out + t * I, I, 1)
                               : swiglu_bwd_row(g, g + I, da + t * I, ct, dg, dg + I, NULL, I, 0);
@@ -256,7 +264,7 @@ void swiglu_bwd(const bf16 *restrict h, const bf16 *restrict c, const bf16 *rest
 }
 
 /* src [*, D] contiguous; pos [T, k] row indices into src; out contiguous [T, D] */
-void sum_rows(const bf16 *restrict src, const int64_t *restrict pos, bf16 *restrict out, long T, int k, int D,
+void sum_rows(const elem *restrict src, const int64_t *restrict pos, elem *restrict out, long T, int k, int D,
               int threads) {
     #pragma omp parallel num_threads(threads)
     {
@@ -266,7 +274,7 @@ void sum_rows(const bf16 *restrict src, const int64_t *restrict pos, bf16 *restr
             #pragma omp simd
             for (int i = 0; i < D; i++) acc[i] = 0.f;
             for (int j = 0; j < k; j++) {
-                const bf16 *r = src + pos[t * k + j] * D;
+                const elem *r = src + pos[t * k + j] * D;
                 #pragma omp simd
                 for (int i = 0; i < D; i++) acc[i] += f(r[i]);
             }

@@ -1,15 +1,18 @@
-"""The trainer's fused bfloat16 element-wise ops, forward and backward (``train_ops.c``): RMSNorm, q/k-norm +
-RoPE, the experts' SwiGLU, block attention's softmax steps and the sum of each token's expert outputs. Built
-by ``arbor.kernels.native`` with ``-O3 -march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding
-and subtracting 1.5 · 2²³), threads from ``thread_budget()``.
+"""The trainer's fused element-wise ops, forward and backward (``train_ops.c``): RMSNorm, q/k-norm + RoPE, the
+experts' SwiGLU and the sum of each token's expert outputs, for bfloat16 and float32 tensors (one library per
+dtype), and the bfloat16 block attention's softmax steps. Built by ``arbor.kernels.native`` with ``-O3
+-march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding and subtracting 1.5 · 2²³), threads from
+``thread_budget()``.
 
 PyTorch runs a bfloat16 RMSNorm as a float32 upcast, five element-wise ops and a cast, each a pass over
 memory, and autograd saves their intermediates; here each is one pass forward and one backward. The
 forwards equal the PyTorch expressions (``layers.rms_norm``, ``moe.RoutedRows``) except where a float32
 sum taken in another order rounds to the other bfloat16 neighbour; the backwards keep float32 between
-loads and stores where PyTorch rounds ĝ = g · w and t = da · c to bfloat16. CPU bfloat16 tensors only;
-where the library cannot be built (or ``ARBOR_CPU_KERNELS=0``), ``available()`` is False and callers keep
-their PyTorch expressions.
+loads and stores where PyTorch rounds ĝ = g · w and t = da · c to bfloat16. In float32 the same passes
+replace PyTorch's (a float32 RMSNorm forward + backward is about ten passes over memory with autograd's saved
+intermediates): results equal PyTorch's within float32 rounding, in another summation order. CPU tensors of
+one dtype, bfloat16 or float32; where the library cannot be built (or ``ARBOR_CPU_KERNELS=0``),
+``available()`` is False and callers keep their PyTorch expressions.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ from arbor.kernels import native
 from arbor.kernels.threads import thread_budget
 
 
+DTYPES = (torch.bfloat16, torch.float32)
+
+
 @cache
-def _lib():
-    lib = native.build(Path(__file__).with_name("train_ops.c"), ["-O3", "-march=native", "-fopenmp"])
+def _lib(dtype: torch.dtype = torch.bfloat16):
+    """The library for ``dtype``'s tensors (``-DARBOR_TRAIN_F32``: the float32 build), None where not built."""
+    flags = ["-O3", "-march=native", "-fopenmp"] + (["-DARBOR_TRAIN_F32"] if dtype == torch.float32 else [])
+    lib = native.build(Path(__file__).with_name("train_ops.c"), flags)
     if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -47,10 +55,12 @@ def _lib():
 
 
 def available(*tensors: torch.Tensor | None) -> bool:
-    """Whether the fused ops serve these tensors (None: an absent optional one): all bfloat16 on CPU, library
-    built."""
-    return (all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors if t is not None)
-            and _lib() is not None)
+    """Whether the fused ops serve these tensors (None: an absent optional one): all on CPU, of one dtype in
+    ``DTYPES``, that dtype's library built."""
+    given = [t for t in tensors if t is not None]
+    dtype = given[0].dtype if given else None
+    return (dtype in DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in given)
+            and _lib(dtype) is not None)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -61,7 +71,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight · bf16(rmsnorm(x))`` over x's last dim, weight [D]; differentiable in x and weight."""
+    """``weight · bf16(rmsnorm(x))`` over x's last dim (bf16: rounded; float32: the identity), weight [D];
+    differentiable in x and weight."""
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -74,7 +85,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows.shape[0], dtype=torch.float32)
         w = weight.contiguous()
         with native.profiled("arbor::rms_norm_fwd"):
-            _lib().rms_norm_fwd(rows.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], d,
+            _lib(rows.dtype).rms_norm_fwd(rows.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], d,
                                 eps, thread_budget())
         ctx.save_for_backward(rows, w, rstd)
         ctx.shape = x.shape
@@ -83,12 +94,12 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, w, rstd = ctx.saved_tensors
-        g = grad.reshape(rows.shape).to(torch.bfloat16).contiguous()
+        g = grad.reshape(rows.shape).to(rows.dtype).contiguous()
         dx = torch.empty_like(rows)
         threads = thread_budget()
         parts = torch.zeros(threads, rows.shape[1], dtype=torch.float32)
         with native.profiled("arbor::rms_norm_bwd"):
-            _lib().rms_norm_bwd(rows.data_ptr(), w.data_ptr(), rstd.data_ptr(), g.data_ptr(), dx.data_ptr(),
+            _lib(rows.dtype).rms_norm_bwd(rows.data_ptr(), w.data_ptr(), rstd.data_ptr(), g.data_ptr(), dx.data_ptr(),
                                 parts.data_ptr(), rows.shape[0], rows.shape[1], threads)
         return dx.view(ctx.shape), parts.sum(0).to(w.dtype), None
 
@@ -110,7 +121,7 @@ class _QkNormRope(torch.autograd.Function):
         wq, wk = wq.contiguous(), wk.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         with native.profiled("arbor::qk_norm_rope_fwd"):
-            _lib().qk_norm_rope_fwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            _lib(x.dtype).qk_norm_rope_fwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     y.data_ptr(), rstd.data_ptr(), t, x.shape[1], hq, d, cos.shape[1], eps,
                                     thread_budget())
         ctx.save_for_backward(x, wq, wk, cos, sin, rstd)
@@ -121,12 +132,12 @@ class _QkNormRope(torch.autograd.Function):
     def backward(ctx, grad):
         x, wq, wk, cos, sin, rstd = ctx.saved_tensors
         t, h, d = x.shape
-        g = grad.to(torch.bfloat16).contiguous()
+        g = grad.to(x.dtype).contiguous()
         dx = torch.empty_like(x)
         threads = thread_budget()
         parts = torch.zeros(threads, 2, d, dtype=torch.float32)
         with native.profiled("arbor::qk_norm_rope_bwd"):
-            _lib().qk_norm_rope_bwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            _lib(x.dtype).qk_norm_rope_bwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                     rstd.data_ptr(), g.data_ptr(), dx.data_ptr(), parts.data_ptr(), t, h, ctx.hq, d,
                                     cos.shape[1], threads)
         dw = parts.sum(0).to(wq.dtype)
@@ -167,24 +178,26 @@ def scaled_product(p: torch.Tensor, d: torch.Tensor, scale: float) -> torch.Tens
 
 
 def sum_rows(src: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """src [R, D] bf16 contiguous, pos [T, k] int64 → [T, D]: row t = bf16(Σ_j src[pos[t, j]]), summed in float32."""
+    """src [R, D] contiguous, pos [T, k] int64 → [T, D]: row t = Σ_j src[pos[t, j]], summed in float32 (rounded
+    once to src's dtype)."""
     t, k = pos.shape
     out = torch.empty(t, src.shape[1], dtype=src.dtype)
     pos = pos.contiguous()
     if pos.numel() and not 0 <= int(pos.min()) <= int(pos.max()) < src.shape[0]:
         raise IndexError(f"sum_rows: row indices outside 0..{src.shape[0] - 1}")
     with native.profiled("arbor::sum_rows"):
-        _lib().sum_rows(_ptr(src), pos.data_ptr(), out.data_ptr(), t, k, src.shape[1], thread_budget())
+        _lib(src.dtype).sum_rows(_ptr(src), pos.data_ptr(), out.data_ptr(), t, k, src.shape[1], thread_budget())
     return out
 
 
 def swiglu(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """h [R, 2I] contiguous ([gate | up] rows) → ``bf16(silu(gate) · up)`` [R, I], times weights [R] when
-    given (rounded again, as ``act.mul_(w)``); not differentiable (``swiglu_backward`` is its backward)."""
+    """h [R, 2I] contiguous ([gate | up] rows) → ``silu(gate) · up`` [R, I] (bf16: rounded as PyTorch's bf16
+    ops round), times weights [R] when given (rounded again, as ``act.mul_(w)``); not differentiable
+    (``swiglu_backward`` is its backward)."""
     rows, inter = h.shape[0], h.shape[1] // 2
     out = torch.empty(rows, inter, dtype=h.dtype)
     with native.profiled("arbor::swiglu_fwd"):
-        _lib().swiglu_fwd(_ptr(h), _ptr(weights), out.data_ptr(), rows, inter, thread_budget())
+        _lib(h.dtype).swiglu_fwd(_ptr(h), _ptr(weights), out.data_ptr(), rows, inter, thread_budget())
     return out
 
 
@@ -196,6 +209,6 @@ def swiglu_backward(h: torch.Tensor, weights: torch.Tensor | None, da: torch.Ten
     dc = torch.empty(h.shape[0], dtype=torch.float32) if need_weights else None
     out = torch.empty_like(da) if need_output else None
     with native.profiled("arbor::swiglu_bwd"):
-        _lib().swiglu_bwd(_ptr(h), _ptr(weights), _ptr(da), dh.data_ptr(), _ptr(dc), _ptr(out), h.shape[0],
+        _lib(h.dtype).swiglu_bwd(_ptr(h), _ptr(weights), _ptr(da), dh.data_ptr(), _ptr(dc), _ptr(out), h.shape[0],
                           h.shape[1] // 2, thread_budget())
     return dh, dc, out

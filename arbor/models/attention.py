@@ -203,7 +203,7 @@ class SoftmaxAttention(nn.Module):
         if not self.q_norm.zero_centred and wq.dtype == q.dtype == cos.dtype and cpu_ops.use(q, self.engine_owned):
             return cpu_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps)
         if (not self.q_norm.zero_centred and not torch.is_inference_mode_enabled()
-                and train_ops.available(q, k, wq, wk, cos, sin)):            # the trainer, bf16 CPU
+                and train_ops.available(q, k, wq, wk, cos, sin)):            # the trainer, bf16 / float32 CPU
             return train_ops.qk_norm_rope(q, k, wq, wk, cos, sin, self.q_norm.eps).split((hq, hk), 1)
         weight = torch.cat((wq.expand(hq, d), wk.expand(hk, d)))
         qk = rms_norm(torch.cat((q, k), 1), weight, self.q_norm.eps, self.q_norm.zero_centred)

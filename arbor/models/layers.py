@@ -33,7 +33,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     fused = not zero_centred and weight.dim() == 1 and weight.dtype == x.dtype
     if fused and cpu_ops.use(x, engine_owned):   # the engine: bf16 CPU, or float32 on its own copy
         return cpu_ops.rms_norm(x, weight, eps)
-    if fused and not torch.is_inference_mode_enabled() and train_ops.available(x):   # the trainer, bf16 CPU
+    if fused and not torch.is_inference_mode_enabled() and train_ops.available(x):   # the trainer, bf16 / f32 CPU
         return train_ops.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and fused:   # one fused call, bit-identical here
         return F.rms_norm(x, weight.shape, weight, eps)

@@ -176,7 +176,7 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         order, counts = padded_order(order, counts, pad)
     copy_weights = torch.cat([weights.reshape(-1).to(x.dtype), weights.new_zeros(1, dtype=x.dtype)])
     token = torch.where(order < flat.shape[0], order // k, 0)
-    if train_ops.available(x):         # bf16 CPU: each token's copies summed in float32, gathered, not scattered
+    if train_ops.available(x):         # CPU: each token's copies summed in float32, gathered, not scattered
         real = order < flat.shape[0]
         pos = torch.empty_like(flat)
         pos[order[real]] = torch.arange(order.shape[0], device=order.device)[real]
