@@ -14,10 +14,10 @@ sparse shapes report transformers' time ÷ Arbor's (the speed-up), and moe64's A
 (cost that falls with sparsity: at equal active parameters, ≤ 1.2).
 
 Each system's rate is also given in GFLOP/s of the step's counted work (``step_flops``), beside
-the best GEMM rate in the process at the step's own GEMM shapes (``gemm_rate``: torch's, or
-oneDNN's float32 one; the larger of a hidden × hidden projection over all tokens and one expert's share of
-rows): ``speedup_bound`` = GEMM rate ÷
-transformers' rate, the speed-up over transformers a step would reach if all of it ran at the GEMM rate.
+the best GEMM rate in the process at the step's own GEMM shapes (``gemm_rate``: torch's, or oneDNN's
+float32 one; the larger of a hidden × hidden projection over all tokens and one expert's share of rows):
+``speedup_bound`` = GEMM rate ÷ transformers' rate, the speed-up over transformers a step would reach if
+all of it ran at the GEMM rate.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def gemm_rate(shape: dict, tokens: int, dtype, device, repeats: int = 9) -> floa
     best = 0.0
     for m, n in ((tokens, D), (rows, width)):
         a, b = torch.randn(m, D, device=device, dtype=dtype), torch.randn(D, n, device=device, dtype=dtype)
-        times = time_interleaved({"torch": lambda: a @ b, "onednn": lambda: fp32_gemm.mm(a, b)}, repeats, device=device)
+        systems = {"torch": lambda: a @ b, "onednn": lambda: fp32_gemm.mm(a, b)}
+        times = time_interleaved(systems, repeats, device=device)
         best = max(best, *(2 * m * D * n / median(t) / 1e9 for t in times.values()))
     return best
 

@@ -85,8 +85,8 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows.shape[0], dtype=torch.float32)
         w = weight.contiguous()
         with native.profiled("arbor::rms_norm_fwd"):
-            _lib(rows.dtype).rms_norm_fwd(rows.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows.shape[0], d,
-                                eps, thread_budget())
+            _lib(rows.dtype).rms_norm_fwd(rows.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(),
+                                          rows.shape[0], d, eps, thread_budget())
         ctx.save_for_backward(rows, w, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -99,8 +99,8 @@ class _RMSNorm(torch.autograd.Function):
         threads = thread_budget()
         parts = torch.zeros(threads, rows.shape[1], dtype=torch.float32)
         with native.profiled("arbor::rms_norm_bwd"):
-            _lib(rows.dtype).rms_norm_bwd(rows.data_ptr(), w.data_ptr(), rstd.data_ptr(), g.data_ptr(), dx.data_ptr(),
-                                parts.data_ptr(), rows.shape[0], rows.shape[1], threads)
+            _lib(rows.dtype).rms_norm_bwd(rows.data_ptr(), w.data_ptr(), rstd.data_ptr(), g.data_ptr(),
+                                          dx.data_ptr(), parts.data_ptr(), rows.shape[0], rows.shape[1], threads)
         return dx.view(ctx.shape), parts.sum(0).to(w.dtype), None
 
 
