@@ -123,7 +123,8 @@ class RoutedRows(torch.autograd.Function):
 
 
 def _swiglu(h: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-    """h [R, 2I] = [g | u] → ``silu(g) · u`` [R, I], times w [R] when given (``train_ops`` in bfloat16)."""
+    """h [R, 2I] = [g | u] → ``silu(g) · u`` [R, I], times w [R] when given (``train_ops`` on CPU in bf16 and
+    float32)."""
     if train_ops.available(h, w):
         return train_ops.swiglu(h, w)
     inter = h.shape[1] // 2
@@ -147,11 +148,11 @@ def dispatch_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
 
     Token copies are sorted by expert (one stable argsort) and gathered once; ``RoutedRows`` runs each
     expert that received tokens on its contiguous slice, weighted, and one ``index_add_`` sums the
-    copies back per token (bf16 on CPU: ``train_ops.sum_rows`` gathers each token's k copies and sums them
-    in float32, forward and for the gather's backward); the loop is over experts, never over tokens. In
-    bfloat16 / float16 on CPU (and float32 where its GEMMs go to oneDNN, ``fp32_gemm``) every expert's
-    slice is padded to a multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0 with weight 0,
-    which add exactly 0 to every output and gradient): oneDNN builds a kernel per GEMM shape, so
+    copies back per token (bf16 and float32 on CPU: ``train_ops.sum_rows`` gathers each token's k copies and
+    sums them in float32, forward and for the gather's backward); the loop is over experts, never over tokens.
+    In bfloat16 / float16 on CPU (and float32 where its GEMMs go to oneDNN, ``fp32_gemm``) every expert's
+    slice is padded to a multiple of ``pad`` rows (default ``PAD_ROWS``; 1 elsewhere) (copies of token 0
+    with weight 0, which add exactly 0 to every output and gradient): oneDNN builds a kernel per GEMM shape, so
     rows counts that change every step would pay that build on every GEMM. An expert module with a
     ``serve`` method (the engine's packed CPU copy) may serve the call itself (when it returns a
     tensor); one that overrides ``grouped`` is called through it outside autograd."""
