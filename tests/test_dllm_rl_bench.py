@@ -25,3 +25,15 @@ def test_bench_runs_and_writes_targets(tmp_path):
     assert all(set(t) == {"name", "value", "target", "met"} for t in result["targets"])
     assert [s for s, _ in result["runs"][0]["curve"]] == [0, 1, 2]
     assert (tmp_path / "out" / "dllm-rl.png").exists()
+
+
+def test_base_size_flags_pick_the_model_and_its_folder(tmp_path):
+    from arbor.bench.dllm_rl import base_config
+    import pytest
+    assert base_config() == base_config(128, 3) == DiffusionModelConfig(block_size=BLOCK_SIZE)
+    big = base_config(256, 4)
+    assert (big.hidden_size, big.intermediate_size, big.num_attention_heads, big.num_key_value_heads,
+            big.head_dim, big.num_hidden_layers) == (256, 512, 8, 4, 32, 4)
+    for hidden, layers in ((96, 0), (-64, 0), (0, -1)):
+        with pytest.raises(ValueError, match="--base-hidden"):
+            base_config(hidden, layers)

@@ -41,14 +41,34 @@ EVAL_SEED = 777          # the held-out problems, the same for every run
 ORACLE = "oracle_sft"    # the supervised reference system (``oracle_one``)
 
 
-def base_model_dir(cache: str, steps: int, device: str, log=print) -> Path:
-    """The ``arbor bench dllm`` base (all tasks, block 64), trained into ``cache`` when missing."""
+def base_config(hidden: int = 0, layers: int = 0):
+    """The base's ``DiffusionModelConfig``: ``arbor bench dllm``'s (block 64) by default; ``hidden`` > 0 sets the
+    width (intermediate 2 × hidden, heads of 32, two query heads per key-value head), ``layers`` > 0 the depth."""
+    from arbor.bench.dllm import BLOCK_SIZE
+    from arbor.dllm.sft import DiffusionModelConfig
+    if hidden < 0 or hidden % 64 or layers < 0:
+        raise ValueError(f"--base-hidden must be 0 or a positive multiple of 64 (heads of 32, two per key-value "
+                         f"head) and --base-layers ≥ 0, got {hidden} and {layers}")
+    size = {}
+    if hidden:
+        size = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=hidden // 32,
+                    num_key_value_heads=hidden // 64, head_dim=32)
+    if layers:
+        size["num_hidden_layers"] = layers
+    return DiffusionModelConfig(block_size=BLOCK_SIZE, **size)
+
+
+def base_model_dir(cache: str, steps: int, device: str, log=print, hidden: int = 0, layers: int = 0) -> Path:
+    """The ``arbor bench dllm`` base (all tasks, block 64; the size of ``base_config``), trained into ``cache``
+    when missing; a size other than the default has its own folder."""
     from arbor.bench.dllm import BLOCK_SIZE, DATA_VERSION
     from arbor.dllm.sft import DiffusionModelConfig, DiffusionTrainConfig, train_from_config
-    base = Path(cache) / f"v{DATA_VERSION}_base_b{BLOCK_SIZE}_s{steps}"
+    model = base_config(hidden, layers)
+    default = model == DiffusionModelConfig(block_size=BLOCK_SIZE)
+    size = "" if default else f"_h{model.hidden_size}_l{model.num_hidden_layers}"
+    base = Path(cache) / f"v{DATA_VERSION}_base_b{BLOCK_SIZE}_s{steps}{size}"
     if not (base / "config.json").exists():
-        cfg = DiffusionTrainConfig(steps=steps, device=device, log_every=250,
-                                   model=DiffusionModelConfig(block_size=BLOCK_SIZE))
+        cfg = DiffusionTrainConfig(steps=steps, device=device, log_every=250, model=model)
         train_from_config(cfg, out_dir=base, on_log=log)
     return base
 
@@ -190,7 +210,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     tasks, estimators = args.tasks.split(","), args.estimators.split(",")
-    base = base_model_dir(args.cache, args.base_steps, args.device)
+    base = base_model_dir(args.cache, args.base_steps, args.device, hidden=args.base_hidden, layers=args.base_layers)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for task in tasks:
@@ -212,7 +232,8 @@ def run(args) -> dict:
     targets = targets_of(summary)
     print_targets(targets)
     keys = ("tasks", "estimators", "steps", "groups", "group_size", "lr", "mini_batches", "ppo_epochs", "temperature",
-            "rollout_mode", "eval_n", "seeds", "base_steps", "oracle_steps", "oracle_lr")
+            "rollout_mode", "eval_n", "seeds", "base_steps", "base_hidden", "base_layers", "oracle_steps",
+            "oracle_lr")
     settings = {k: getattr(args, k) for k in keys}
     result = {"settings": settings, "summary": summary, "runs": runs, "targets": targets}
     write_result(args.out, "dllm-rl", result, plot(runs, tasks, estimators))
@@ -226,6 +247,8 @@ def main(args) -> None:
 def add_arguments(p) -> None:
     p.add_argument("--cache", default="runs/dllm_cache", help="folder of the SFT base (shared with `arbor bench dllm`)")
     p.add_argument("--base-steps", type=int, default=2500, help="masked-diffusion SFT steps of the base")
+    p.add_argument("--base-hidden", type=int, default=0, help="the base's width, a multiple of 64 (0: 128)")
+    p.add_argument("--base-layers", type=int, default=0, help="the base's layers (0: 3)")
     p.add_argument("--tasks", default="countdown", help="comma-separated: countdown, sudoku, addition")
     p.add_argument("--estimators", default="ebpo,espo,mean_field", help="comma-separated dllm.estimator values")
     p.add_argument("--seeds", type=int, default=3)
