@@ -49,6 +49,24 @@ def test_matches_float64_sdpa_within_float32_noise(case):
         assert (a - e).abs().max() <= 4 * (p - e).abs().max()
 
 
+def test_float32_takes_the_fused_softmax_steps():
+    """Where ``train_ops`` is built, float32 block attention runs its softmax, exp(S − lse) and P ∘ (∂P − Δ)
+    fused (the float64 comparison above then checks those kernels); float64 keeps PyTorch's expressions."""
+    from arbor.kernels import train_ops
+    if not train_ops.available(torch.zeros(1)):
+        pytest.skip("train_ops not built here (ARBOR_CPU_KERNELS=0 or no compiler)")
+    names = ("arbor::softmax_rows", "arbor::shifted_exp_rows", "arbor::softmax_grad_rows")
+
+    def kernels(dtype):
+        q, k, v = (torch.randn(1, 200, h, 16, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+        with profile() as p:
+            block_attention(q, k, v, 0.25, causal=True).sum().backward()
+        return {e.key: e.count for e in p.key_averages() if e.key in names}
+
+    assert kernels(torch.float32) == dict.fromkeys(names, 2)            # two query blocks of 128
+    assert kernels(torch.float64) == {}
+
+
 @pytest.mark.parametrize("case", CASES + [dict(b=2, t=512, hq=8, hkv=4, d=128, causal=True)])
 def test_bfloat16_within_three_times_the_flash_kernels_error(case):
     """bf16 q, k, v (bfloat16 GEMMs, shifts inside the backward's GEMMs): each of out, ∂q, ∂k, ∂v within 3×

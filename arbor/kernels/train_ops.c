@@ -2,7 +2,8 @@
    arbor/kernels/train_ops.py), built twice: for bfloat16 tensors (elem = bf16) and, with -DARBOR_TRAIN_F32, for
    float32 ones (elem = float; bf16(·) below is then the identity). Every value is float32 between an elem load
    and an elem store; the bf16 forwards round where PyTorch's bfloat16 expressions round (arbor/models/layers.py,
-   moe.py). The attention steps (softmax_rows, exp_rows, scaled_product) serve the bf16 block attention only.
+   moe.py). Block attention's steps: softmax_rows in both builds; exp_rows and scaled_product for bf16;
+   shifted_exp_rows and softmax_grad_rows (plain float32, taken from the float32 build) for float32.
 
    rms_norm_fwd:  r = 1 / sqrt(mean(x²) + eps),  x̂ = x · r,  y = bf16(w · bf16(x̂))         (saves r)
    rms_norm_bwd:  ĝ = g · w,  dx = r · (ĝ − x̂ · mean(ĝ ∘ x̂)),  dw = Σ_rows g · bf16(x̂)
@@ -16,6 +17,8 @@
                                                                                   (block attention's forward)
    exp_rows:      P = exp(scale · X) from bf16 X, masked columns 0; writes P and bf16(P)   (its backward)
    scaled_product: out = bf16(scale · P ∘ D), P float32, D bf16                       (its ∂S)
+   shifted_exp_rows: S = exp(S − shift_row) in place, float32, masked columns 0     (the float32 backward's P)
+   softmax_grad_rows: D = P ∘ (D − δ_row) in place, float32                          (the float32 backward's ∂S)
    sum_rows:      out[t] = bf16(Σ_j src[pos[t, j]]) (k rows per t, float32 sum)   (MoE: a token's expert outputs)
    Attention rows: N · R rows of e columns; columns [c, e) of row r are masked where visible[r, j − c] is 0
    (visible: uint8 [R, e − c], the same for every n; NULL: none masked).
@@ -215,6 +218,34 @@ void scaled_product(const float *restrict p, const elem *restrict d, float scale
                     int threads) {
     #pragma omp parallel for simd num_threads(threads) schedule(static)
     for (long i = 0; i < n; i++) out[i] = b(scale * p[i] * f(d[i]));
+}
+
+void shifted_exp_rows(float *restrict s, long N, int R, int e, int c, const uint8_t *restrict visible,
+                      const float *restrict shift, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long row = 0; row < N * R; row++) {
+        float *x = s + row * e;
+        const float m = shift[row];
+        #pragma omp simd
+        for (int j = 0; j < e; j++) x[j] = exp_f32(x[j] - m);
+        if (visible) {
+            const uint8_t *v = visible + (row % R) * (e - c);
+            #pragma omp simd
+            for (int j = c; j < e; j++) x[j] = v[j - c] ? x[j] : 0.f;
+        }
+    }
+}
+
+void softmax_grad_rows(const float *restrict p, float *restrict d, const float *restrict delta, long rows, int e,
+                       int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long row = 0; row < rows; row++) {
+        const float *pr = p + row * e;
+        float *dr = d + row * e;
+        const float dl = delta[row];
+        #pragma omp simd
+        for (int j = 0; j < e; j++) dr[j] = pr[j] * (dr[j] - dl);
+    }
 }
 
 /* h: [rows, 2I] (gate | up, row stride 2I); c: [rows] or NULL; out: contiguous [rows, I] */

@@ -1,6 +1,6 @@
 """The trainer's fused element-wise ops, forward and backward (``train_ops.c``): RMSNorm, q/k-norm + RoPE, the
 experts' SwiGLU and the sum of each token's expert outputs, for bfloat16 and float32 tensors (one library per
-dtype), and the bfloat16 block attention's softmax steps. Built by ``arbor.kernels.native`` with ``-O3
+dtype), and block attention's softmax steps (bfloat16 and float32). Built by ``arbor.kernels.native`` with ``-O3
 -march=native -fopenmp`` (no fast-math: ``exp_f32`` rounds by adding and subtracting 1.5 · 2²³), threads from
 ``thread_budget()``.
 
@@ -45,11 +45,14 @@ def _lib(dtype: torch.dtype = torch.bfloat16):
     lib.softmax_rows.argtypes = [p, i64, i32, i32, i32, p, p, p, i32]
     lib.exp_rows.argtypes = [p, i64, i32, i32, i32, p, f32, p, p, i32]
     lib.scaled_product.argtypes = [p, p, f32, p, i64, i32]
+    lib.shifted_exp_rows.argtypes = [p, i64, i32, i32, i32, p, p, i32]
+    lib.softmax_grad_rows.argtypes = [p, p, p, i64, i32, i32]
     lib.sum_rows.argtypes = [p, p, p, i64, i32, i32, i32]
     lib.swiglu_fwd.argtypes = [p, p, p, i64, i32, i32]
     lib.swiglu_bwd.argtypes = [p, p, p, p, p, p, i64, i32, i32]
     for fn in (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.qk_norm_rope_fwd, lib.qk_norm_rope_bwd, lib.softmax_rows,
-               lib.exp_rows, lib.scaled_product, lib.sum_rows, lib.swiglu_fwd, lib.swiglu_bwd):
+               lib.exp_rows, lib.scaled_product, lib.shifted_exp_rows, lib.softmax_grad_rows, lib.sum_rows,
+               lib.swiglu_fwd, lib.swiglu_bwd):
         fn.restype = None
     return lib
 
@@ -144,17 +147,38 @@ class _QkNormRope(torch.autograd.Function):
         return dx[:, :ctx.hq], dx[:, ctx.hq:], dw[0], dw[1], None, None, None
 
 
-def softmax_rows(s: torch.Tensor, c: int, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """s [N, R, e] float32 contiguous (overwritten) → (bf16 softmax rows [N, R, e], lse [N, R] float32); columns
-    [c, e) of row r masked where ``visible`` [R, e − c] (bool, the same for every n) is False; a row that sees
-    nothing gives 0 and lse 0."""
+def softmax_rows(s: torch.Tensor, c: int, visible: torch.Tensor | None,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """s [N, R, e] float32 contiguous (overwritten) → (softmax rows [N, R, e] in ``dtype``, bf16 or float32; lse
+    [N, R] float32); columns [c, e) of row r masked where ``visible`` [R, e − c] (bool, the same for every n) is
+    False; a row that sees nothing gives 0 and lse 0."""
     n, r, e = s.shape
-    probs = torch.empty(s.shape, dtype=torch.bfloat16)
+    probs = torch.empty(s.shape, dtype=dtype)
     lse = torch.empty(n, r, dtype=torch.float32)
     vis = None if visible is None else visible.contiguous()
     with native.profiled("arbor::softmax_rows"):
-        _lib().softmax_rows(_ptr(s), n, r, e, c, _ptr(vis), probs.data_ptr(), lse.data_ptr(), thread_budget())
+        _lib(dtype).softmax_rows(_ptr(s), n, r, e, c, _ptr(vis), probs.data_ptr(), lse.data_ptr(), thread_budget())
     return probs, lse
+
+
+def shifted_exp_rows(s: torch.Tensor, shift: torch.Tensor, c: int, visible: torch.Tensor | None) -> torch.Tensor:
+    """s [N, R, e] float32 contiguous → s itself, overwritten by exp(s − shift) (shift [N, R]), masked columns
+    (as in ``softmax_rows``) 0."""
+    n, r, e = s.shape
+    vis = None if visible is None else visible.contiguous()
+    shift = shift.contiguous()                # held here: a temporary would be freed before the call
+    with native.profiled("arbor::shifted_exp_rows"):
+        _lib(torch.float32).shifted_exp_rows(_ptr(s), n, r, e, c, _ptr(vis), _ptr(shift), thread_budget())
+    return s
+
+
+def softmax_grad_rows(p: torch.Tensor, d: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """p, d [N, R, e] float32 contiguous, delta [N, R] → d itself, overwritten by p ∘ (d − delta)."""
+    delta = delta.contiguous()
+    with native.profiled("arbor::softmax_grad_rows"):
+        _lib(torch.float32).softmax_grad_rows(_ptr(p), _ptr(d), _ptr(delta), p.numel() // p.shape[-1], p.shape[-1],
+                                              thread_budget())
+    return d
 
 
 def exp_rows(x: torch.Tensor, scale: float, c: int, visible: torch.Tensor | None):

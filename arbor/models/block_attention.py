@@ -24,7 +24,8 @@ with c = lse / scale and Δ each split into bfloat16 hi + lo,
 so P = exp(scale · (S/scale − c)) has relative error ≤ 2⁻⁹·|log P| (P·|log P| ≤ 1/e: below the
 bfloat16 rounding of P that FlashAttention applies) and ∂P − Δ is rounded once, like ∂S after it. ∂K
 and ∂V sum their query blocks' bfloat16 products in float32. The element-wise steps between the GEMMs
-(masking, softmax, exp, scale · P ∘ (∂P − Δ)) run as one pass each in ``train_ops`` where it is built.
+(masking, softmax, exp, scale · P ∘ (∂P − Δ)) run as one pass each in ``train_ops`` where it is built; in
+float32 too (softmax → P / l, so O = (P / l) V; exp(S − lse); P ∘ (∂P − Δ)).
 
 A row that sees no key gives 0 (SDPA gives NaN there) and saves lse = 0. Callers: ``attention.sdpa`` on
 CPU outside inference mode (the engine keeps its own kernels).
@@ -112,12 +113,17 @@ class BlockAttention(torch.autograd.Function):
         kh, vh = (_heads(x.to(wide), b, s, hkv, 1, d) for x in (k, v))
         o = torch.empty_like(qs)
         lse = qs.new_zeros(b * hkv, t * g)
+        fused = train_ops.available(qs)               # float32: softmax, exp and ∂S one pass each
         for i0, i1, e, c, visible in _blocks(t, s, g, mask, causal, q.device):
             r0, r1 = i0 * g, i1 * g
             if e == 0:
                 o[:, r0:r1] = 0
                 continue
             p = torch.bmm(qs[:, r0:r1], kh[:, :e].mT)
+            if fused:
+                probs, lse[:, r0:r1] = train_ops.softmax_rows(p, c, visible, wide)
+                torch.bmm(probs, vh[:, :e], out=o[:, r0:r1])
+                continue
             top, total = _softmax_rows(p, c, visible, wide)
             torch.bmm(p, vh[:, :e], out=o[:, r0:r1])
             o[:, r0:r1].div_(total.clamp_min(torch.finfo(wide).tiny))
@@ -135,6 +141,7 @@ class BlockAttention(torch.autograd.Function):
         do = _heads(dout.to(qs.dtype), b, t, hkv, g, d)
         delta = (do * o).sum(-1, keepdim=True)
         dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kh), torch.zeros_like(vh)
+        fused = train_ops.available(qs)
         for i0, i1, e, c, visible in _blocks(t, s, g, mask, ctx.causal, qs.device):
             r0, r1 = i0 * g, i1 * g
             if e == 0:
@@ -142,11 +149,18 @@ class BlockAttention(torch.autograd.Function):
                 continue
             q_rows, do_rows = qs[:, r0:r1], do[:, r0:r1]
             p = torch.bmm(q_rows, kh[:, :e].mT)
-            if visible is not None:
-                p[..., c:].masked_fill_(~visible, float("-inf"))
-            p.sub_(lse[:, r0:r1, None]).exp_()
+            if fused:
+                train_ops.shifted_exp_rows(p, lse[:, r0:r1], c, visible)
+            else:
+                if visible is not None:
+                    p[..., c:].masked_fill_(~visible, float("-inf"))
+                p.sub_(lse[:, r0:r1, None]).exp_()
             dv[:, :e].baddbmm_(p.mT, do_rows)
-            ds = torch.bmm(do_rows, vh[:, :e].mT).sub_(delta[:, r0:r1]).mul_(p)
+            ds = torch.bmm(do_rows, vh[:, :e].mT)
+            if fused:
+                train_ops.softmax_grad_rows(p, ds, delta[:, r0:r1, 0])
+            else:
+                ds.sub_(delta[:, r0:r1]).mul_(p)
             torch.bmm(ds, kh[:, :e], out=dq[:, r0:r1])
             dk[:, :e].baddbmm_(ds.mT, q_rows)
         dq = _unheads(dq.mul_(ctx.scale), b, t, hkv, g, d)
