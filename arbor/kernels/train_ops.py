@@ -124,9 +124,9 @@ class _QkNormRope(torch.autograd.Function):
         wq, wk = wq.contiguous(), wk.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         with native.profiled("arbor::qk_norm_rope_fwd"):
-            _lib(x.dtype).qk_norm_rope_fwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                    y.data_ptr(), rstd.data_ptr(), t, x.shape[1], hq, d, cos.shape[1], eps,
-                                    thread_budget())
+            _lib(x.dtype).qk_norm_rope_fwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(),
+                                           sin.data_ptr(), y.data_ptr(), rstd.data_ptr(), t, x.shape[1], hq, d,
+                                           cos.shape[1], eps, thread_budget())
         ctx.save_for_backward(x, wq, wk, cos, sin, rstd)
         ctx.hq = hq
         return y
@@ -140,9 +140,9 @@ class _QkNormRope(torch.autograd.Function):
         threads = thread_budget()
         parts = torch.zeros(threads, 2, d, dtype=torch.float32)
         with native.profiled("arbor::qk_norm_rope_bwd"):
-            _lib(x.dtype).qk_norm_rope_bwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                    rstd.data_ptr(), g.data_ptr(), dx.data_ptr(), parts.data_ptr(), t, h, ctx.hq, d,
-                                    cos.shape[1], threads)
+            _lib(x.dtype).qk_norm_rope_bwd(x.data_ptr(), wq.data_ptr(), wk.data_ptr(), cos.data_ptr(),
+                                           sin.data_ptr(), rstd.data_ptr(), g.data_ptr(), dx.data_ptr(),
+                                           parts.data_ptr(), t, h, ctx.hq, d, cos.shape[1], threads)
         dw = parts.sum(0).to(wq.dtype)
         return dx[:, :ctx.hq], dx[:, ctx.hq:], dw[0], dw[1], None, None, None
 
@@ -234,5 +234,5 @@ def swiglu_backward(h: torch.Tensor, weights: torch.Tensor | None, da: torch.Ten
     out = torch.empty_like(da) if need_output else None
     with native.profiled("arbor::swiglu_bwd"):
         _lib(h.dtype).swiglu_bwd(_ptr(h), _ptr(weights), _ptr(da), dh.data_ptr(), _ptr(dc), _ptr(out), h.shape[0],
-                          h.shape[1] // 2, thread_budget())
+                                 h.shape[1] // 2, thread_budget())
     return dh, dc, out
